@@ -1,0 +1,29 @@
+"""Multi-Head Attention Residuals for Hugging Face Transformers.
+
+Importing the package registers `mhar` with AutoConfig, AutoModel and AutoModelForCausalLM.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_mhar import PRESETS, RESIDUAL_MODES, MHARConfig
+from .modeling_mhar import MHARForCausalLM, MHARModel, MHARPreTrainedModel, MHARRouter
+from .remote_code import save_remote_code
+from .routing import route, route_reference
+
+AutoConfig.register(MHARConfig.model_type, MHARConfig, exist_ok=True)
+AutoModel.register(MHARConfig, MHARModel, exist_ok=True)
+AutoModelForCausalLM.register(MHARConfig, MHARForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+__all__ = [
+    "MHARConfig",
+    "MHARForCausalLM",
+    "MHARModel",
+    "MHARPreTrainedModel",
+    "MHARRouter",
+    "PRESETS",
+    "RESIDUAL_MODES",
+    "route",
+    "route_reference",
+    "save_remote_code",
+]

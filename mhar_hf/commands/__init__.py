@@ -1,0 +1,1 @@
+"""`mhar` subcommands: one module each, with `register(subparsers)`."""

@@ -1,0 +1,26 @@
+"""`mhar demo`: run the whole path on the tiny embedded default."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="run the whole path on a tiny model and the embedded text")
+    parser.add_argument("--workdir", type=Path, help="where to write models (default: a temporary folder)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..demo.pipeline import run_demo
+
+    if args.workdir is not None:
+        if args.workdir.exists() and any(args.workdir.iterdir()):
+            raise FileExistsError(f"--workdir {args.workdir} is not empty: choose a new folder")
+        run_demo(args.workdir, seed=args.seed)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="mhar-demo-") as tmp:
+        run_demo(Path(tmp), seed=args.seed)
+    return 0

@@ -1,0 +1,1 @@
+"""The embedded default for `mhar demo`: a small text (corpus.txt) and the pipeline that uses it."""

@@ -1,0 +1,376 @@
+"""MHAR: a Llama-family decoder whose residual stream is replaced (or augmented) by learned
+softmax reads over the depth history, one softmax per head of the hidden width.
+
+Module and parameter names follow `modeling_llama.py` so that Llama checkpoints, PEFT target
+names and tensor-parallel plans keep working. The routing parameters of each read live in a
+small `MHARRouter` submodule (`layers.N.attn_router`, `layers.N.mlp_router`, `final_router`).
+
+The residual state passed between layers depends on `config.residual_mode`:
+  standard  hidden                      the plain residual
+  full      (sources...)                every sublayer output so far, the embedding first
+  block     ((blocks...), partial)      finished block sums and the running one
+  delta     (stream, (blocks...), boundary)   the plain residual, its block deltas, and the
+                                        stream at the last block boundary
+States are tuples and never mutated, so a layer recomputed under activation checkpointing
+sees exactly the inputs of its first run.
+"""
+
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_mhar import MHARConfig
+from .routing import route
+
+
+class MHARRouter(nn.Module):
+    """One routing site: a pseudo-query and a key-norm weight; in delta mode also a null source
+    and a gate, and the read is added to the untouched residual stream by the caller."""
+
+    def __init__(self, config: MHARConfig, gated: bool):
+        super().__init__()
+        self.num_heads = config.residual_heads
+        self.eps = config.rms_norm_eps
+        self.implementation = config.routing_implementation
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.key_norm_weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.gated = gated
+        if gated:
+            self.null_source = nn.Parameter(torch.zeros(config.hidden_size))
+            self.gate = nn.Parameter(torch.zeros(1))  # 1-D: FSDP rejects 0-d parameters
+
+    def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        mixed = route(
+            sources,
+            self.query,
+            self.key_norm_weight,
+            self.num_heads,
+            self.eps,
+            null_source=self.null_source if self.gated else None,
+            implementation=self.implementation,
+        )
+        return self.gate * mixed if self.gated else mixed
+
+    def extra_repr(self) -> str:
+        return f"{self.query.shape[0]}, heads={self.num_heads}, gated={self.gated}"
+
+
+class MHARAttention(nn.Module):
+    """Llama attention with the two backbone options Llama lacks: q/k/v-only bias (Qwen2) and
+    per-head q/k RMSNorm before RoPE (Qwen3)."""
+
+    def __init__(self, config: MHARConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        qkv_bias = config.attention_bias or config.qkv_bias
+        q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class MHARDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: MHARConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = MHARAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+        self.residual_mode = config.residual_mode
+        if self.residual_mode != "standard":
+            gated = self.residual_mode == "delta"
+            # Layer 0's attention would only ever read one source (the embedding, or the null
+            # source alone in delta mode), so it gets no router and takes its input directly.
+            self.attn_router = MHARRouter(config, gated) if layer_idx > 0 else None
+            self.mlp_router = MHARRouter(config, gated)
+            self.starts_block = layer_idx % config.layers_per_block == 0
+
+    def forward(
+        self,
+        residual,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ):
+        attend = partial(
+            self.attention_sublayer,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
+
+    def attention_sublayer(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+
+    def mlp_sublayer(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def _forward_standard(self, hidden, attend):
+        hidden = hidden + attend(hidden)
+        return hidden + self.mlp_sublayer(hidden)
+
+    def _forward_full(self, sources, attend):
+        hidden = self.attn_router(sources) if self.attn_router is not None else sources[0]
+        sources = (*sources, attend(hidden))
+        return (*sources, self.mlp_sublayer(self.mlp_router(sources)))
+
+    def _forward_block(self, residual, attend):
+        blocks, running = residual
+        hidden = self.attn_router((*blocks, running)) if self.attn_router is not None else running
+        attn_out = attend(hidden)
+        if self.starts_block:
+            blocks, running = (*blocks, running), attn_out
+        else:
+            running = running + attn_out
+        mlp_out = self.mlp_sublayer(self.mlp_router((*blocks, running)))
+        return blocks, running + mlp_out
+
+    def _forward_delta(self, residual, attend):
+        stream, blocks, boundary = residual
+        hidden = stream + self.attn_router(blocks) if self.attn_router is not None else stream
+        if self.starts_block:
+            blocks = (*blocks, stream - boundary if blocks else stream)
+            boundary = stream
+        stream = stream + attend(hidden)
+        stream = stream + self.mlp_sublayer(stream + self.mlp_router(blocks))
+        return stream, blocks, boundary
+
+
+class MHARPreTrainedModel(PreTrainedModel):
+    config: MHARConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MHARDecoderLayer"]
+    _supports_flash_attn = True  # token attention is Llama's; routing never touches the KV cache
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"attentions": MHARAttention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, MHARRouter):
+            init.zeros_(module.query)  # zero queries: uniform weights over depth at init
+            init.ones_(module.key_norm_weight)
+            if module.gated:
+                init.zeros_(module.null_source)
+                init.zeros_(module.gate)  # zero gates: a converted model computes what its source did
+
+
+class MHARModel(MHARPreTrainedModel):
+    def __init__(self, config: MHARConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([MHARDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if config.residual_mode in ("full", "block"):
+            self.final_router = MHARRouter(config, gated=False)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def initial_residual(self, embeddings: torch.Tensor):
+        """The residual state before layer 0 (see the module docstring)."""
+        mode = self.config.residual_mode
+        if mode == "full":
+            return (embeddings,)
+        if mode == "block":
+            return (), embeddings
+        if mode == "delta":
+            return embeddings, (), embeddings
+        return embeddings
+
+    def final_hidden(self, residual) -> torch.Tensor:
+        """The input of the final norm: the last routed read, or the plain stream."""
+        mode = self.config.residual_mode
+        if mode == "full":
+            return self.final_router(residual)
+        if mode == "block":
+            blocks, running = residual
+            return self.final_router((*blocks, running))
+        if mode == "delta":
+            return residual[0]
+        return residual
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+
+        residual = self.initial_residual(inputs_embeds)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            residual = decoder_layer(
+                residual,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(self.final_hidden(residual))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class MHARForCausalLM(MHARPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: MHARConfig):
+        super().__init__(config)
+        self.model = MHARModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["MHARForCausalLM", "MHARModel", "MHARPreTrainedModel", "MHARRouter"]

@@ -1,0 +1,88 @@
+"""Depth routing: the op every MHAR residual mode is built from.
+
+`route_reference` is the specification (DESIGN.md section 1), written for clarity in plain
+PyTorch. `route` is the one entry point the model calls; it picks an implementation.
+
+This file is copied flat into the trust_remote_code bundle, so it imports nothing from
+`mhar_hf` at module level: fused kernels are found at call time when the package is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "reference", "fused")
+ENV_VAR = "MHAR_ROUTING"  # overrides the config's `routing_implementation`
+
+
+def route_reference(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    null_source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mix `sources` (each `[..., d]`) with one softmax over depth per head of width d/H.
+
+    Keys are the sources RMS-normalised over the full width d and scaled by `key_norm_weight`;
+    values are the raw sources. `null_source` (a `[d]` vector) is prepended as source 0.
+    Statistics, logits, softmax and mix run in fp32; the result has the sources' dtype.
+    """
+    if null_source is not None:
+        sources = [null_source.expand_as(sources[0]), *sources] if sources else [null_source]
+    if len(sources) == 1:
+        return sources[0]
+    out_dtype = sources[0].dtype
+    values = torch.stack([s.float() for s in sources])  # [N, ..., d]
+    width = values.shape[-1]
+    inv_rms = torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    keys = values * inv_rms * key_norm_weight.float()
+    per_head = (*values.shape[:-1], num_heads, width // num_heads)
+    logits = (keys.view(per_head) * query.float().view(num_heads, -1)).sum(-1)  # [N, ..., H]
+    weights = logits.softmax(dim=0)
+    mixed = (weights.unsqueeze(-1) * values.view(per_head)).sum(0)
+    return mixed.reshape(values.shape[1:]).to(out_dtype)
+
+
+def resolve_implementation(requested: str) -> str:
+    """The implementation to use: the environment variable wins over the config value."""
+    choice = os.environ.get(ENV_VAR, requested) or "auto"
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"{ENV_VAR} / routing_implementation is {choice!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+    return choice
+
+
+def route(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    null_source: torch.Tensor | None = None,
+    implementation: str = "auto",
+) -> torch.Tensor:
+    """Dispatch to the fused kernels when they apply, else to the reference op."""
+    choice = resolve_implementation(implementation)
+    if choice == "fused" or (choice == "auto" and sources and sources[0].is_cuda):
+        fused = _fused_route(required=choice == "fused")
+        if fused is not None:
+            return fused(sources, query, key_norm_weight, num_heads, eps, null_source)
+    return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source)
+
+
+def _fused_route(required: bool):
+    """The fused routing function, or None when the kernels are not installed."""
+    try:
+        from mhar_hf.ops.routing import fused_route
+    except ImportError:
+        if required:
+            raise ImportError(
+                "routing_implementation='fused' needs the mhar_hf package with Triton installed "
+                "(pip install 'mhar-hf[kernels]'); use 'auto' or 'reference' instead."
+            ) from None
+        return None
+    return fused_route
