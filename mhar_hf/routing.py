@@ -18,6 +18,33 @@ IMPLEMENTATIONS = ("auto", "reference", "fused")
 ENV_VAR = "MHAR_ROUTING"  # overrides the config's `routing_implementation`
 
 
+def _with_null_source(sources, null_source):
+    if null_source is None:
+        return list(sources)
+    return [null_source.expand_as(sources[0]), *sources] if sources else [null_source]
+
+
+def routing_weights(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    null_source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fp32 depth distribution of every head: `[N, ..., H]`, summing to 1 over N.
+
+    Keys are the sources RMS-normalised over the full width d and scaled by `key_norm_weight`;
+    the logit of head h is the plain dot product of its slice of `query` with its slice of the key.
+    """
+    values = torch.stack([s.float() for s in _with_null_source(sources, null_source)])  # [N, ..., d]
+    width = values.shape[-1]
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.float()
+    per_head = (*values.shape[:-1], num_heads, width // num_heads)
+    logits = (keys.view(per_head) * query.float().view(num_heads, -1)).sum(-1)
+    return logits.softmax(dim=0)
+
+
 def route_reference(
     sources: Sequence[torch.Tensor],
     query: torch.Tensor,
@@ -26,26 +53,19 @@ def route_reference(
     eps: float,
     null_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mix `sources` (each `[..., d]`) with one softmax over depth per head of width d/H.
+    """Mix the raw `sources` (each `[..., d]`) with `routing_weights`, head by head.
 
-    Keys are the sources RMS-normalised over the full width d and scaled by `key_norm_weight`;
-    values are the raw sources. `null_source` (a `[d]` vector) is prepended as source 0.
-    Statistics, logits, softmax and mix run in fp32; the result has the sources' dtype.
+    `null_source` (a `[d]` vector) is prepended as source 0. Statistics, logits, softmax and
+    mix run in fp32; the result has the sources' dtype. One source is returned unchanged.
     """
-    if null_source is not None:
-        sources = [null_source.expand_as(sources[0]), *sources] if sources else [null_source]
+    sources = _with_null_source(sources, null_source)
     if len(sources) == 1:
         return sources[0]
-    out_dtype = sources[0].dtype
-    values = torch.stack([s.float() for s in sources])  # [N, ..., d]
-    width = values.shape[-1]
-    inv_rms = torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    keys = values * inv_rms * key_norm_weight.float()
-    per_head = (*values.shape[:-1], num_heads, width // num_heads)
-    logits = (keys.view(per_head) * query.float().view(num_heads, -1)).sum(-1)  # [N, ..., H]
-    weights = logits.softmax(dim=0)
+    weights = routing_weights(sources, query, key_norm_weight, num_heads, eps)  # [N, ..., H]
+    values = torch.stack([s.float() for s in sources])
+    per_head = (*values.shape[:-1], num_heads, values.shape[-1] // num_heads)
     mixed = (weights.unsqueeze(-1) * values.view(per_head)).sum(0)
-    return mixed.reshape(values.shape[1:]).to(out_dtype)
+    return mixed.reshape(values.shape[1:]).to(sources[0].dtype)
 
 
 def resolve_implementation(requested: str) -> str:
