@@ -24,6 +24,12 @@ def _with_null_source(sources, null_source):
     return [null_source.expand_as(sources[0]), *sources] if sources else [null_source]
 
 
+def _stack_for_math(sources) -> torch.Tensor:
+    """Stack in fp32 (fp64 stays fp64, for gradient checks)."""
+    dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    return torch.stack([s.to(dtype) for s in sources])
+
+
 def routing_weights(
     sources: Sequence[torch.Tensor],
     query: torch.Tensor,
@@ -32,16 +38,16 @@ def routing_weights(
     eps: float,
     null_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fp32 depth distribution of every head: `[N, ..., H]`, summing to 1 over N.
+    """The fp32 (fp64 for fp64 inputs) depth distribution of every head: `[N, ..., H]`, summing to 1 over N.
 
     Keys are the sources RMS-normalised over the full width d and scaled by `key_norm_weight`;
     the logit of head h is the plain dot product of its slice of `query` with its slice of the key.
     """
-    values = torch.stack([s.float() for s in _with_null_source(sources, null_source)])  # [N, ..., d]
+    values = _stack_for_math(_with_null_source(sources, null_source))  # [N, ..., d]
     width = values.shape[-1]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.float()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.to(values.dtype)
     per_head = (*values.shape[:-1], num_heads, width // num_heads)
-    logits = (keys.view(per_head) * query.float().view(num_heads, -1)).sum(-1)
+    logits = (keys.view(per_head) * query.to(values.dtype).view(num_heads, -1)).sum(-1)
     return logits.softmax(dim=0)
 
 
@@ -62,7 +68,7 @@ def route_reference(
     if len(sources) == 1:
         return sources[0]
     weights = routing_weights(sources, query, key_norm_weight, num_heads, eps)  # [N, ..., H]
-    values = torch.stack([s.float() for s in sources])
+    values = _stack_for_math(sources)
     per_head = (*values.shape[:-1], num_heads, values.shape[-1] // num_heads)
     mixed = (weights.unsqueeze(-1) * values.view(per_head)).sum(0)
     return mixed.reshape(values.shape[1:]).to(sources[0].dtype)

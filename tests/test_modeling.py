@@ -1,0 +1,289 @@
+"""The model against independent references: LlamaForCausalLM and a per-mode forward written
+here straight from DESIGN.md section 2."""
+
+import pytest
+import torch
+from conftest import shrunk_real_config
+from test_routing import per_head_route
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: F401
+from transformers.masking_utils import create_causal_mask
+
+import mhar_hf
+from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
+from mhar_hf.tiny import tiny_config
+
+MODES = ["standard", "full", "block", "delta"]
+RESIDUAL_FIELDS = ("residual_mode", "residual_heads", "residual_num_blocks", "residual_block_layers",
+                   "routing_implementation", "qkv_bias", "qk_norm")
+
+
+def llama_twin(model: MHARForCausalLM) -> LlamaForCausalLM:
+    """A LlamaForCausalLM with the same backbone config and weights."""
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in RESIDUAL_FIELDS + ("model_type",)}
+    llama = AutoModelForCausalLM.from_config(
+        LlamaConfig(**fields), dtype=model.dtype, attn_implementation=model.config._attn_implementation
+    )
+    backbone = {k: v for k, v in model.state_dict().items() if "_router." not in k}
+    llama.load_state_dict(backbone, strict=True)
+    return llama.eval()
+
+
+def randomise_routing(model, scale=1.0):
+    """Non-default values for every routing parameter (gates open)."""
+    with torch.no_grad():
+        for router in model.modules():
+            if isinstance(router, MHARRouter):
+                router.query.normal_(0, scale)
+                router.key_norm_weight.uniform_(0.5, 1.5)
+                if router.gated:
+                    router.null_source.normal_(0, 1)
+                    router.gate.uniform_(0.5, 1.0)
+    return model
+
+
+def build(mode="full", dtype=torch.float32, attn="eager", **overrides):
+    config = tiny_config(residual_mode=mode, **overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+
+
+def ids(batch=2, tokens=11, vocab=384):
+    return torch.randint(2, vocab, (batch, tokens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", ["standard", "delta"])
+def test_standard_and_zero_gate_delta_equal_llama_bit_for_bit(mode, attn, dtype):
+    model = build(mode, dtype, attn)
+    if mode == "delta":  # open queries and null sources: with zero gates they must not matter
+        randomise_routing(model)
+        with torch.no_grad():
+            for router in model.modules():
+                if isinstance(router, MHARRouter):
+                    router.gate.zero_()
+    tokens = ids()
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, llama_twin(model)(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Llama-3.2-1B"])
+@pytest.mark.parametrize("mode", ["standard", "delta"])
+def test_real_llama_configs_equal_llama_bit_for_bit(name, mode):
+    fields = shrunk_real_config(name)
+    fields.pop("model_type")
+    config = MHARConfig(**fields, residual_mode=mode, residual_heads=4, residual_num_blocks=2)
+    model = MHARForCausalLM(config).eval()
+    tokens = ids(vocab=config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, llama_twin(model)(tokens).logits)
+    assert model.config.tie_word_embeddings == fields["tie_word_embeddings"]
+
+
+def reference_logits(model, tokens):
+    """Each mode's forward written from DESIGN.md, routing in fp64 by `per_head_route`."""
+    config, inner = model.config, model.model
+    heads, mode = config.residual_heads, config.residual_mode
+    embeddings = inner.embed_tokens(tokens)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    mask = create_causal_mask(config=config, inputs_embeds=embeddings, attention_mask=None, cache=None,
+                              position_ids=positions)
+    rope = inner.rotary_emb(embeddings, positions)
+
+    def read(sources, router, null=False):
+        if null:
+            sources = [router.null_source.expand_as(sources[0]), *sources]
+        if len(sources) == 1:
+            return sources[0]
+        return per_head_route(sources, router.query, router.key_norm_weight, heads, config.rms_norm_eps).float()
+
+    def attn(layer, h):
+        return layer.self_attn(layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask)[0]
+
+    def mlp(layer, h):
+        return layer.mlp(layer.post_attention_layernorm(h))
+
+    if mode == "full":
+        sources = [embeddings]
+        for layer in inner.layers:
+            sources.append(attn(layer, read(sources, layer.attn_router)))
+            sources.append(mlp(layer, read(sources, layer.mlp_router)))
+        final = read(sources, inner.final_router)
+    elif mode == "block":
+        blocks, partial = [], embeddings
+        for i, layer in enumerate(inner.layers):
+            h = partial if not blocks else read(blocks + [partial], layer.attn_router)
+            if i % config.layers_per_block == 0:
+                blocks.append(partial)
+                partial = None
+            a = attn(layer, h)
+            partial = a if partial is None else partial + a
+            partial = partial + mlp(layer, read(blocks + [partial], layer.mlp_router))
+        final = read(blocks + [partial], inner.final_router)
+    else:  # delta
+        stream, blocks, boundary = embeddings, [], None
+        for i, layer in enumerate(inner.layers):
+            # Layer 0 reads no block yet; the model gives its attention no router (see modeling_mhar.py).
+            h = stream if not blocks else stream + layer.attn_router.gate * read(blocks, layer.attn_router, null=True)
+            if i % config.layers_per_block == 0:
+                blocks.append(stream if boundary is None else stream - boundary)
+                boundary = stream
+            stream = stream + attn(layer, h)
+            h = stream + layer.mlp_router.gate * read(blocks, layer.mlp_router, null=True)
+            stream = stream + mlp(layer, h)
+        final = stream
+    return model.lm_head(inner.norm(final))
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+@pytest.mark.parametrize("layers, blocks", [(4, 2), (5, 3)])
+def test_modes_match_a_forward_written_from_the_design(mode, layers, blocks):
+    model = randomise_routing(build(mode, num_hidden_layers=layers, residual_num_blocks=blocks))
+    tokens = ids()
+    with torch.no_grad():
+        got, expected = model(tokens).logits, reference_logits(model, tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # and routing matters: the same backbone in standard mode differs
+        plain = llama_twin(model)(tokens).logits
+    assert (got - plain).abs().max() > 1e-3
+
+
+def source_counts(model, tokens):
+    """The number of sources each router receives, by module name."""
+    counts, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, MHARRouter):
+            def hook(_, args, name=name):
+                counts[name] = len(args[0])
+            handles.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return counts
+
+
+def test_full_mode_source_counts():
+    layers = 5
+    counts = source_counts(build("full", num_hidden_layers=layers), ids())
+    for l in range(layers):
+        if l > 0:  # layer 0's attention reads the embedding alone, so it has no router
+            assert counts[f"model.layers.{l}.attn_router"] == 2 * l + 1
+        assert counts[f"model.layers.{l}.mlp_router"] == 2 * l + 2
+    assert counts["model.final_router"] == 2 * layers + 1
+    assert "model.layers.0.attn_router" not in counts
+
+
+def test_block_mode_snapshots_at_every_third_layer():
+    model = build("block", num_hidden_layers=13, residual_block_layers=3)
+    starts = [i for i, layer in enumerate(model.model.layers) if layer.starts_block]
+    assert starts == [0, 3, 6, 9, 12]
+    counts = source_counts(model, ids())
+    snapshots = lambda upto: sum(1 for s in starts if s <= upto)  # noqa: E731
+    for i in range(13):
+        if i > 0:  # before the snapshot of layer i: finished blocks + the running partial
+            assert counts[f"model.layers.{i}.attn_router"] == snapshots(i - 1) + 1
+        assert counts[f"model.layers.{i}.mlp_router"] == snapshots(i) + 1
+    assert counts["model.final_router"] == 5 + 1
+
+
+def test_delta_mode_block_entries():
+    model = build("delta", num_hidden_layers=5, residual_num_blocks=2)  # ceil(5/2) = 3 layers a block
+    counts = source_counts(model, ids())
+    assert [counts[f"model.layers.{i}.mlp_router"] for i in range(5)] == [1, 1, 1, 2, 2]
+    assert [counts.get(f"model.layers.{i}.attn_router") for i in range(5)] == [None, 1, 1, 1, 2]
+    assert not hasattr(model.model, "final_router")
+
+
+def test_delta_gradients():
+    model = build("delta").train()
+    tokens = ids()
+    model(tokens, labels=tokens).loss.backward()
+    for name, param in model.named_parameters():
+        if "_router." in name:  # at init only the gates learn; the rest waits for a gate to open
+            assert (param.grad.abs().sum() > 0) == name.endswith(".gate"), name
+    model.zero_grad()
+    randomise_routing(model)
+    model(tokens, labels=tokens).loss.backward()
+    routing = [(n, p) for n, p in model.named_parameters() if "_router." in n]
+    assert len(routing) == 4 * (2 * 4 - 1)
+    for name, param in routing:
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_init_values_and_zero_query_uniform_routing():
+    model = build("delta")
+    routers = [m for m in model.modules() if isinstance(m, MHARRouter)]
+    assert routers
+    for router in routers:
+        assert torch.equal(router.query, torch.zeros_like(router.query))
+        assert torch.equal(router.key_norm_weight, torch.ones_like(router.key_norm_weight))
+        assert torch.equal(router.null_source, torch.zeros_like(router.null_source))
+        assert router.gate.shape == (1,) and router.gate.item() == 0.0
+    assert model.model.layers[1].self_attn.q_proj.weight.std() > 0.01  # the backbone is initialised
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    model = randomise_routing(build(mode)).train()
+    tokens = ids()
+
+    def gradients():
+        model.zero_grad()
+        model(tokens, labels=tokens).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    checkpointed = gradients()
+    assert model.model.layers[0].gradient_checkpointing
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_and_sdpa_agree(mode):
+    torch.manual_seed(1)
+    eager = randomise_routing(build(mode, attn="eager"))
+    sdpa = build(mode, attn="sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    tokens = ids()
+    mask = torch.ones_like(tokens)
+    mask[0, :3] = 0  # left padding exercises the masked paths of both kernels
+    with torch.no_grad():
+        a, b = eager(tokens, attention_mask=mask).logits, sdpa(tokens, attention_mask=mask).logits
+    torch.testing.assert_close(a[:, 3:], b[:, 3:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_load_round_trip_keeps_routing_values(mode, tmp_path):
+    model = randomise_routing(build(mode))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()  # sharded
+    assert not list(tmp_path.glob("*.bin"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert isinstance(loaded, MHARForCausalLM) and loaded.config.residual_mode == mode
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    tokens = ids()
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, loaded(tokens).logits)
+
+
+def test_auto_classes_are_registered():
+    config = tiny_config()
+    from transformers import AutoConfig, AutoModel
+
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    assert isinstance(AutoConfig.for_model("mhar", **fields), MHARConfig)
+    assert isinstance(AutoModel.from_config(config), mhar_hf.MHARModel)
+
+
+def test_lora_targets_llama_names():
+    from peft import LoraConfig, get_peft_model
+
+    model = randomise_routing(build("full")).train()
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"]))
+    tokens = ids()
+    peft_model(input_ids=tokens, labels=tokens).loss.backward()
+    lora = [n for n, p in peft_model.named_parameters() if "lora_" in n and p.grad is not None]
+    assert len(lora) == 2 * 3 * model.config.num_hidden_layers
