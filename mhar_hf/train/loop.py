@@ -1,0 +1,298 @@
+"""The mid-training run: check inputs, build everything, train, checkpoint, save the final model.
+
+Every check that can fail on bad input runs before the first training step. The same code
+runs on one CPU, one GPU, several GPUs with DDP or FSDP2, and several hosts: `accelerate
+launch` decides which.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .args import check_arguments
+from .checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
+from .data import build_corpus, check_sources
+from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss, is_routing_parameter
+
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "model")
+METADATA_FILE = "mhar_training.json"
+
+
+def prepare_output(output: Path, resume: bool) -> None:
+    """Make sure the run folder can be written, and that a previous run is only continued on purpose."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output {output} is a file, not a folder: choose a folder path")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"--output {output} is not writable ({error.strerror or error}): choose a folder you can write to") from None
+    if not resume and any((output / name).exists() for name in RUN_MARKERS):
+        raise FileExistsError(f"--output {output} holds a previous run: pass --resume to continue it, or choose a new folder")
+
+
+def check_model_and_tokenizer(config, tokenizer, seq_length: int) -> None:
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}: "
+            "token ids past the embedding would crash training; use the model's own tokenizer (--tokenizer)"
+        )
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_length > limit:
+        raise ValueError(f"--seq-length {seq_length} exceeds the model's max_position_embeddings={limit}: lower --seq-length")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token to separate documents; set one in its tokenizer_config.json")
+
+
+def configure_trainable(model, args):
+    """Freeze the backbone (routing only), or wrap it in LoRA with the routers fully trainable."""
+    if args.train_only_routing:
+        routing = [p for name, p in model.named_parameters() if is_routing_parameter(name)]
+        if not routing:
+            raise ValueError("--train-only-routing: the model has no routing parameters (is it an MHAR model in standard mode?)")
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_routing_parameter(name))
+        return model
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        routers = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name.endswith("_router")})
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                          target_modules=args.lora_targets.split(","), modules_to_save=routers or None)
+        return get_peft_model(model, lora)
+    return model
+
+
+def gate_tensors(model) -> list[torch.Tensor]:
+    return [p for name, p in model.named_parameters() if p.requires_grad and is_routing_parameter(name) and name.endswith(".gate")]
+
+
+@torch.no_grad()
+def gate_magnitudes(gates: list[torch.Tensor]) -> dict[str, float]:
+    """Mean and largest |gate| over the delta sites (every process must call: FSDP2 gathers shards)."""
+    if not gates:
+        return {}
+    values = torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().reshape(-1) for g in gates]).abs()
+    return {"gate_abs_mean": values.mean().item(), "gate_abs_max": values.max().item()}
+
+
+@torch.no_grad()
+def validation_loss(model, val: torch.Tensor, batch_size: int, accelerator) -> float | None:
+    """Mean next-token loss over the held-out sequences, split across processes. Every process
+    runs the same number of forwards (FSDP2 gathers in each); padding batches weigh zero."""
+    if len(val) == 0:
+        return None
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = val[rank::world]
+    batches = math.ceil(math.ceil(len(val) / world) / batch_size)
+    totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    model.eval()
+    for b in range(batches):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        weight = len(chunk)
+        if weight == 0:
+            chunk = val[:1]
+        chunk = chunk.to(accelerator.device)
+        loss, _ = causal_lm_loss(model(input_ids=chunk, use_cache=False).logits, chunk)
+        totals += torch.tensor([loss.item() * weight, weight], device=accelerator.device, dtype=torch.float64)
+    model.train()
+    totals = accelerator.reduce(totals, reduction="sum")
+    return (totals[0] / totals[1]).item()
+
+
+class MetricsLog:
+    """`metrics.jsonl` (main process): one JSON object per logged step. On resume, entries after
+    the checkpoint's step are dropped, so the file reads as if the run had never stopped."""
+
+    def __init__(self, path: Path, resumed_step: int | None, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled and resumed_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resumed_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def _tracker_config(args) -> dict:
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items() if k != "run"}
+
+
+def train(args) -> Path:
+    """Run mid-training as `args` says (see `args.py`); returns the final model folder."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import mhar_hf  # noqa: F401  registers the MHAR Auto classes
+
+    check_arguments(args)
+    check_sources(args.data)
+    output = Path(args.output)
+    prepare_output(output, args.resume)
+
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        log_with="tensorboard" if args.report_to == "tensorboard" else None,
+        project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
+    )
+    if args.lora_rank and accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError("--lora-rank runs with DDP or on one device, not with FSDP: a LoRA model's frozen backbone fits one GPU")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    main = accelerator.is_main_process
+    set_seed(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    config = AutoConfig.from_pretrained(args.model)
+    check_model_and_tokenizer(config, tokenizer, args.seq_length)
+    with accelerator.main_process_first():
+        corpus = build_corpus(
+            args.data, tokenizer, args.seq_length, args.val_sequences, args.seed, text_field=args.text_field,
+            streaming=args.streaming, shuffle_buffer=args.shuffle_buffer, split=args.data_split,
+            name=args.data_name, min_train_sequences=world * args.batch_size,
+        )
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+    model.config.use_cache = False
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = configure_trainable(model, args)
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.routing_lr_multiplier,
+                                tuple(args.adam_betas), args.adam_eps)
+    scheduler = build_scheduler(optimizer, args.max_steps, args.warmup_steps, args.schedule,
+                                args.min_lr_ratio, args.decay_fraction)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainerState()
+    # Registered rather than prepared: a prepared scheduler steps once per process.
+    accelerator.register_for_checkpointing(scheduler, state)
+    ema = WeightEMA(model, args.ema_decay) if args.ema_decay else None
+
+    resumed_from = None
+    if args.resume:
+        if main:
+            remove_partial_checkpoints(output)
+        accelerator.wait_for_everyone()
+        resumed_from = latest_checkpoint(output)
+        if resumed_from is not None:
+            load_checkpoint(accelerator, resumed_from, ema)
+            accelerator.print(f"resumed from {resumed_from} at step {state.step}")
+    metrics = MetricsLog(output / "metrics.jsonl", state.step if args.resume else None, main)
+    if args.report_to == "tensorboard":
+        accelerator.init_trackers("mhar-train", config=_tracker_config(args))
+
+    tokens_per_step = world * args.batch_size * args.grad_accum * args.seq_length
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    gates = gate_tensors(model)
+    batches = corpus.micro_batches(state.position, args.batch_size, rank, world)
+    progress = tqdm(total=args.max_steps, initial=state.step, disable=not main, desc="train", unit="step", dynamic_ncols=True)
+    last_loss = last_val = None
+    window_start, window_tokens = time.perf_counter(), 0
+    model.train()
+    while state.step < args.max_steps:
+        loss_sum = torch.zeros((), device=accelerator.device)
+        z_sum = torch.zeros((), device=accelerator.device)
+        for micro in range(args.grad_accum):
+            batch = next(batches).to(accelerator.device)
+            sync = nullcontext() if micro == args.grad_accum - 1 else accelerator.no_sync(model)
+            with sync:
+                cross_entropy, z_loss = causal_lm_loss(model(input_ids=batch, use_cache=False).logits, batch)
+                accelerator.backward((cross_entropy + args.z_loss * z_loss) / args.grad_accum)
+            loss_sum += cross_entropy.detach()
+            z_sum += z_loss.detach()
+        grad_norm = accelerator.clip_grad_norm_(trainable, args.clip if args.clip > 0 else float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update()
+        state.step += 1
+        state.position += world * args.batch_size * args.grad_accum
+        state.tokens += tokens_per_step
+        window_tokens += tokens_per_step
+
+        last_step = state.step == args.max_steps
+        if state.step % args.log_every == 0 or last_step:
+            losses = accelerator.reduce(torch.stack([loss_sum, z_sum]) / args.grad_accum, reduction="mean")
+            elapsed = time.perf_counter() - window_start
+            last_loss = losses[0].item()
+            record = {"step": state.step, "loss": last_loss, "z_loss": losses[1].item(), "lr": lr,
+                      "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": window_tokens / elapsed,
+                      **gate_magnitudes(gates)}
+            if state.step % args.eval_every == 0 or last_step:
+                last_val = record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator)
+            metrics.write(record)
+            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=state.step)
+            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            window_start, window_tokens = time.perf_counter(), 0
+        progress.update(1)
+        if state.step % args.save_every == 0 or last_step:
+            save_checkpoint(accelerator, output, state, ema, keep=args.keep_last)
+    progress.close()
+
+    metadata = {
+        "source_model": str(args.model), "steps": state.step, "tokens": state.tokens,
+        "data": [str(d) for d in args.data], "seq_length": args.seq_length,
+        "global_batch_sequences": world * args.batch_size * args.grad_accum, "processes": world,
+        "lr_schedule": {"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
+                        "warmup_steps": args.warmup_steps, "decay_fraction": args.decay_fraction,
+                        "routing_lr_multiplier": args.routing_lr_multiplier},
+        "weight_decay": args.weight_decay, "z_loss": args.z_loss, "ema_decay": args.ema_decay or None,
+        "trainable": "routing" if args.train_only_routing else (f"lora-r{args.lora_rank}" if args.lora_rank else "all"),
+        "lora_merged": bool(args.merge_lora) if args.lora_rank else None,
+        "final_train_loss": last_loss, "final_val_loss": last_val,
+        "mixed_precision": accelerator.mixed_precision, "mhar_hf_version": mhar_hf.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    final = save_final_model(accelerator, model, tokenizer, ema, output, args, metadata)
+    accelerator.end_training()
+    return final
+
+
+def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: dict) -> Path:
+    """`OUT/model`: from_pretrained weights (the EMA when on; LoRA merged or as an adapter),
+    tokenizer, remote-code bundle and `mhar_training.json`, written to a temporary folder and renamed."""
+    from ..remote_code import save_remote_code
+
+    final, tmp = output / "model", output / ".tmp-model"
+    accelerator.wait_for_everyone()
+    if ema is not None:
+        ema.swap()
+    unwrapped = accelerator.unwrap_model(model)
+    if args.lora_rank and args.merge_lora:
+        unwrapped = unwrapped.merge_and_unload()
+    state_dict = accelerator.get_state_dict(model) if not args.lora_rank else None
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        if getattr(unwrapped.config, "model_type", None) == "mhar" and not (args.lora_rank and not args.merge_lora):
+            save_remote_code(tmp)
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+    if ema is not None:
+        ema.swap()
+    return final

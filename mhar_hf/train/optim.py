@@ -1,0 +1,149 @@
+"""Optimisation pieces: the loss with z-loss, AdamW parameter groups, LR schedules, weight EMA.
+
+Everything here works on plain tensors and on FSDP2's sharded DTensor parameters alike.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCHEDULES = ("cosine", "wsd", "1-sqrt", "constant")
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy and the z-loss term mean(logsumexp(logits)^2), both in fp32,
+    averaged over every predicted position (packed rows have no padding)."""
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    cross_entropy = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return cross_entropy, z_loss
+
+
+def is_routing_parameter(name: str) -> bool:
+    """Parameters of a routing site: anything under a module named `*_router`
+    (`layers.N.attn_router.query`, `...mlp_router.gate`, `final_router.key_norm_weight`, also
+    under PEFT's wrappers)."""
+    return any(part.endswith("_router") for part in name.split(".")[:-1])
+
+
+def parameter_groups(model: nn.Module, lr: float, weight_decay: float, routing_lr_multiplier: float = 1.0) -> list[dict]:
+    """AdamW groups: routing (no weight decay, LR x multiplier: decay would pin the gates at 0),
+    backbone matrices (weight decay) and the other backbone parameters (norms, biases: none).
+    Only trainable parameters; empty groups are left out."""
+    groups = {
+        "routing": dict(lr=lr * routing_lr_multiplier, weight_decay=0.0),
+        "backbone_decay": dict(lr=lr, weight_decay=weight_decay),
+        "backbone_no_decay": dict(lr=lr, weight_decay=0.0),
+    }
+    members: dict[str, list] = {key: [] for key in groups}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if is_routing_parameter(name):
+            members["routing"].append(param)
+        elif param.ndim >= 2:
+            members["backbone_decay"].append(param)
+        else:
+            members["backbone_no_decay"].append(param)
+    return [dict(name=key, params=members[key], **groups[key]) for key in groups if members[key]]
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, routing_lr_multiplier: float = 1.0,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
+    groups = parameter_groups(model, lr, weight_decay, routing_lr_multiplier)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float,
+                  decay_fraction: float = 0.2) -> float:
+    """The LR at optimizer step `step` (0-based) as a fraction of the peak.
+
+    Linear warm-up from 1/warmup to 1 over `warmup_steps`, then
+      cosine    half-cosine from 1 down to `min_ratio` at the last step;
+      wsd       constant, then a linear cool-down to `min_ratio` over the last `decay_fraction` of steps;
+      1-sqrt    the same, with the 1 - sqrt(progress) cool-down;
+      constant  1.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        span = max(total_steps - 1 - warmup_steps, 1)
+        progress = min((step - warmup_steps) / span, 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(round(decay_fraction * (total_steps - warmup_steps)), 1)
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min((step - decay_start + 1) / decay_steps, 1.0)
+    shape = progress if schedule == "wsd" else math.sqrt(progress)
+    return 1 - (1 - min_ratio) * shape
+
+
+class ScheduleMultiplier:
+    """A picklable LR-lambda (LambdaLR then saves it with its state)."""
+
+    def __init__(self, **settings):
+        if settings["schedule"] not in SCHEDULES:
+            raise ValueError(f"unknown schedule {settings['schedule']!r}; allowed: {', '.join(SCHEDULES)}")
+        self.settings = settings
+
+    def __call__(self, step: int) -> float:
+        return lr_multiplier(step, **self.settings)
+
+
+def build_scheduler(optimizer, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float,
+                    decay_fraction: float = 0.2) -> torch.optim.lr_scheduler.LambdaLR:
+    fn = ScheduleMultiplier(total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule,
+                            min_ratio=min_ratio, decay_fraction=decay_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class WeightEMA:
+    """An fp32 exponential moving average of the trainable parameters: after each optimizer step
+    `ema = decay * ema + (1 - decay) * param`. Under FSDP2 every process averages its own shards,
+    so `state_dict` is per process."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shadow = [_local(p).detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        current = [_local(p).detach().float() for p in self.params]
+        torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the live weights with the averages (call again to swap back)."""
+        for param, shadow in zip(self.params, self.shadow):
+            local = _local(param)
+            live = local.detach().float().clone()
+            local.copy_(shadow.to(local.dtype))
+            shadow.copy_(live)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "names": self.names, "shadow": [t.clone() for t in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["names"] != self.names:
+            raise ValueError("the checkpoint's EMA covers other parameters than this run trains")
+        for shadow, saved in zip(self.shadow, state["shadow"]):
+            shadow.copy_(saved)
+
