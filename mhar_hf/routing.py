@@ -10,6 +10,7 @@ This file is copied flat into the trust_remote_code bundle, so it imports nothin
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -91,19 +92,35 @@ def route(
     null_source: torch.Tensor | None = None,
     implementation: str = "auto",
 ) -> torch.Tensor:
-    """Dispatch to the fused kernels when they apply, else to the reference op."""
+    """Dispatch to the fused kernels when they apply, else to the reference op.
+
+    `auto` uses the kernels for CUDA sources when Triton is installed; `fused` asks for them
+    anywhere they run. Calls the kernels do not cover fall back, with a one-time warning.
+    """
     choice = resolve_implementation(implementation)
     if choice == "fused" or (choice == "auto" and sources and sources[0].is_cuda):
-        fused = _fused_route(required=choice == "fused")
-        if fused is not None:
-            return fused(sources, query, key_norm_weight, num_heads, eps, null_source)
+        kernels = _fused_kernels(required=choice == "fused")
+        if kernels is not None:
+            reason = kernels.unsupported_reason(sources, query, num_heads, null_source)
+            if reason is None:
+                return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source)
+            _warn_once(f"{reason}; using the reference routing op for this call.")
     return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source)
 
 
-def _fused_route(required: bool):
-    """The fused routing function, or None when the kernels are not installed."""
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _fused_kernels(required: bool):
+    """The fused kernels module (`fused_route`, `unsupported_reason`), or None when not installed."""
     try:
-        from mhar_hf.ops.routing import fused_route
+        from mhar_hf.ops import routing as kernels
     except ImportError:
         if required:
             raise ImportError(
@@ -111,4 +128,4 @@ def _fused_route(required: bool):
                 "(pip install 'mhar-hf[kernels]'); use 'auto' or 'reference' instead."
             ) from None
         return None
-    return fused_route
+    return kernels

@@ -1,0 +1,134 @@
+"""The fused routing op: launch configuration, coverage check and the autograd function."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+
+from .kernels import route_bwd_kernel, route_fwd_kernel
+
+SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TILE = 16384  # padded elements per token row a program holds in registers
+_empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tile(width: int, num_heads: int) -> dict:
+    head_width = width // num_heads
+    h_pad, dh_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_width)
+    block_t = max(1, min(16, 4096 // (h_pad * dh_pad)))  # about 4k fp32 values per live tile
+    return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad, BLOCK_T=block_t)
+
+
+def _num_warps(tile: dict) -> int:
+    return 4 if tile["BLOCK_T"] * tile["H_PAD"] * tile["DH_PAD"] <= 2048 else 8
+
+
+def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None):
+    """Why the kernels cannot run this call (a sentence), or None when they can."""
+    if not sources:
+        return None
+    first = sources[0]
+    if not (first.is_cuda or _interpreted()):
+        return f"fused routing runs on CUDA tensors (or under TRITON_INTERPRET=1), got device {first.device}"
+    if any(s.dtype != first.dtype for s in sources) or first.dtype not in SOURCE_DTYPES:
+        return f"fused routing needs all sources in one of {SOURCE_DTYPES}, got {sorted({str(s.dtype) for s in sources})}"
+    if any(s.shape != first.shape or s.device != first.device for s in sources):
+        return "fused routing needs all sources of one shape on one device"
+    width = first.shape[-1]
+    tensors = (query,) if null_source is None else (query, null_source)
+    if any(t.numel() != width or t.device != first.device for t in tensors) or width % num_heads:
+        return f"fused routing needs [{width}] routing vectors on {first.device} and heads dividing {width}"
+    tile = _tile(width, num_heads)
+    if tile["H_PAD"] * tile["DH_PAD"] > MAX_TILE:
+        return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
+    return None
+
+
+def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse):
+    rows = [_rows(s) for s in sources]
+    tokens, width = rows[0].shape
+    tile = _tile(width, num_heads)
+    out_dtype = rows[0].dtype if null_source is None else null_source.dtype
+    out = _empty((tokens, width), dtype=out_dtype, device=rows[0].device)
+    lse = _empty((tokens, num_heads), dtype=torch.float32, device=rows[0].device) if store_lse else out
+    route_fwd_kernel[(triton.cdiv(tokens, tile["BLOCK_T"]),)](
+        _address_table(rows, rows[0].device), rows[0], query if null_source is None else null_source,
+        query, key_norm_weight, out, lse, len(rows), tokens, eps,
+        HAS_NULL=null_source is not None, STORE_LSE=store_lse, num_warps=_num_warps(tile), **tile,
+    )
+    return out.view(sources[0].shape), lse
+
+
+def _backward_programs(num_blocks: int, device) -> int:
+    if device.type == "cuda":
+        return min(num_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(num_blocks, 2)  # the interpreter: still several blocks per program, as on a GPU
+
+
+class FusedRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, num_heads, eps, query, key_norm_weight, null_source, *sources):
+        out, lse = _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
+        ctx.num_heads, ctx.eps = num_heads, eps
+        ctx.save_for_backward(query, key_norm_weight, null_source, lse, *sources)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key_norm_weight, null_source, lse, *sources = ctx.saved_tensors
+        rows = [_rows(s) for s in sources]
+        tokens, width = rows[0].shape
+        device = rows[0].device
+        tile = _tile(width, ctx.num_heads)
+        num_blocks = triton.cdiv(tokens, tile["BLOCK_T"])
+        programs = _backward_programs(num_blocks, device)
+        grads = _empty((len(rows), tokens, width), dtype=rows[0].dtype, device=device)
+        dkey = _empty((programs, width), dtype=torch.float32, device=device)
+        dnull = _empty((programs, width), dtype=torch.float32, device=device) if null_source is not None else dkey
+        route_bwd_kernel[(programs,)](
+            _address_table(rows, device), _address_table(list(grads), device), rows[0],
+            query if null_source is None else null_source, query, key_norm_weight, lse,
+            _rows(grad_out), dkey, dnull, len(rows), tokens, ctx.eps, num_blocks,
+            HAS_NULL=null_source is not None, num_warps=_num_warps(tile), **tile,
+        )
+        dkey = dkey.sum(0)  # fixed-order reduction of per-program partials: deterministic
+        dquery = (dkey * key_norm_weight.float()).to(query.dtype)
+        dweight = (dkey * query.float()).to(key_norm_weight.dtype)
+        dnull = dnull.sum(0).to(null_source.dtype) if null_source is not None else None
+        return (None, None, dquery, dweight, dnull, *(g.view(s.shape) for g, s in zip(grads, sources)))
+
+
+@torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
+def fused_route(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    null_source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`route_reference` computed by the Triton kernels (same arguments, same result)."""
+    sources = tuple(sources)
+    if null_source is None and len(sources) == 1:
+        return sources[0]
+    if not sources:
+        return null_source
+    inputs = (query, key_norm_weight, null_source, *sources)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return FusedRoute.apply(num_heads, eps, query, key_norm_weight, null_source, *sources)
+    return _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]

@@ -1,0 +1,212 @@
+"""The fused Triton routing kernels against the specification `route_reference` evaluated in fp64.
+
+On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1); with
+MHAR_TEST_GPU=1 on a CUDA machine the same tests run compiled, plus bf16/fp16 variants.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mhar_hf.ops.routing import fused, fused_route
+from mhar_hf.routing import route, route_reference
+from mhar_hf.tiny import tiny_config
+
+EPS = 1e-6
+GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+# relative RMS error against fp64 allowed per source dtype (bf16: one rounding of the output)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if GPU else [torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every tensor the kernels write starts as NaN, so an element they skip fails the test."""
+    monkeypatch.setattr(fused, "_empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
+
+
+def rel_rms(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def routing_inputs(n, width, tokens, batch=1, dtype=torch.float32, null=False):
+    """Sources of varied scale, a nonzero query (zero would make every weight uniform) and norm weight."""
+    g = torch.Generator().manual_seed(n * 1000 + width + tokens)
+    sources = [(torch.randn(batch, tokens, width, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
+    query = (torch.randn(width, generator=g) * 4 / width**0.5).to(DEVICE, dtype)
+    norm_weight = (1 + 0.3 * torch.randn(width, generator=g)).to(DEVICE, dtype)
+    null_source = torch.randn(width, generator=g).to(DEVICE, dtype) if null else None
+    return sources, query, norm_weight, null_source
+
+
+def forward_and_grads(fn, sources, query, norm_weight, null_source, heads, grad_out):
+    inputs = [t.detach().clone().requires_grad_() for t in (*sources, query, norm_weight)]
+    null = null_source.detach().clone().requires_grad_() if null_source is not None else None
+    out = fn(inputs[: len(sources)], inputs[-2], inputs[-1], heads, EPS, null)
+    wrt = inputs + ([null] if null is not None else [])
+    return out, torch.autograd.grad(out, wrt, grad_out.to(out.dtype), allow_unused=True)
+
+
+def fp64(t):
+    return t.double() if t is not None else None
+
+
+SHAPES = [  # (sources, width, heads, tokens, batch, null source)
+    pytest.param(5, 64, 4, 37, 1, False, id="tokens-not-a-block-multiple"),
+    pytest.param(3, 320, 2, 9, 2, True, id="head-width-160"),
+    pytest.param(4, 48, 12, 13, 1, True, id="H=12"),
+    pytest.param(3, 64, 1, 21, 1, False, id="H=1"),
+    pytest.param(1, 32, 4, 19, 1, True, id="one-source-plus-null"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, width, heads, tokens, batch, null", SHAPES)
+def test_forward_and_every_gradient_match_fp64_reference(n, width, heads, tokens, batch, null, dtype):
+    sources, query, norm_weight, null_source = routing_inputs(n, width, tokens, batch, dtype, null)
+    grad_out = torch.randn(batch, tokens, width, device=DEVICE)
+    out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
+    ref, ref_grads = forward_and_grads(
+        route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), heads, grad_out
+    )
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel_rms(out, ref) < TOLERANCE[dtype]
+    names = [f"source {i}" for i in range(n)] + ["query", "key norm weight"] + (["null source"] if null else [])
+    for name, grad, expected in zip(names, grads, ref_grads, strict=True):
+        assert grad.dtype == dtype, name
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected) < TOLERANCE[dtype], name
+
+
+def test_single_source_is_returned_unchanged():
+    (source,), query, norm_weight, _ = routing_inputs(1, 32, 5)
+    assert fused_route([source], query, norm_weight, 4, EPS) is source
+
+
+def test_inference_forward_matches_the_training_forward():
+    sources, query, norm_weight, null_source = routing_inputs(4, 64, 11, null=True)
+    with torch.no_grad():
+        inference = fused_route(sources, query, norm_weight, 8, EPS, null_source)
+    training = fused_route(sources, query.requires_grad_(), norm_weight, 8, EPS, null_source)
+    assert torch.equal(inference, training.detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:] if GPU else [torch.float32], ids=str)
+def test_repeated_backward_is_bitwise_identical(dtype):
+    sources, query, norm_weight, null_source = routing_inputs(4, 64, 45, batch=2, dtype=dtype, null=True)
+    grad_out = torch.randn(2, 45, 64, device=DEVICE)
+    first = forward_and_grads(fused_route, sources, query, norm_weight, null_source, 4, grad_out)[1]
+    second = forward_and_grads(fused_route, sources, query, norm_weight, null_source, 4, grad_out)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_gated_router_gradients_match_fp64_reference():
+    """The gate (and everything else) of a delta-mode site: the fused router against an fp64 twin."""
+    from mhar_hf.modeling_mhar import MHARRouter
+
+    config = tiny_config(residual_mode="delta", routing_implementation="fused")
+    router = MHARRouter(config, gated=True).to(DEVICE)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.copy_(torch.randn_like(p))
+    twin = copy.deepcopy(router).double()
+    twin.implementation = "reference"
+    sources = [torch.randn(2, 7, 64, device=DEVICE, requires_grad=True) for _ in range(3)]
+    twin_sources = [s.detach().double().requires_grad_() for s in sources]
+    grad_out = torch.randn(2, 7, 64, device=DEVICE)
+    out, expected = router(tuple(sources)), twin(tuple(twin_sources))
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    assert rel_rms(out, expected) < 1e-5
+    for (name, p), (_, q) in zip(router.named_parameters(), twin.named_parameters(), strict=True):
+        assert rel_rms(p.grad, q.grad) < 1e-5, name
+    for s, t in zip(sources, twin_sources, strict=True):
+        assert rel_rms(s.grad, t.grad) < 1e-5
+
+
+class LaunchSpy:
+    """Wraps a kernel: counts launches, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    forward, backward = LaunchSpy(fused.route_fwd_kernel), LaunchSpy(fused.route_bwd_kernel)
+    monkeypatch.setattr(fused, "route_fwd_kernel", forward)
+    monkeypatch.setattr(fused, "route_bwd_kernel", backward)
+    return forward, backward
+
+
+def test_dispatch_runs_the_kernels(spies, monkeypatch):
+    forward, backward = spies
+    sources, query, norm_weight, _ = routing_inputs(3, 64, 9)
+    query.requires_grad_()
+    route(sources, query, norm_weight, 4, EPS, implementation="auto" if GPU else "fused").sum().backward()
+    assert (forward.launches, backward.launches) == (1, 1)
+    monkeypatch.setenv("MHAR_ROUTING", "reference")  # the environment variable wins over the argument
+    route(sources, query, norm_weight, 4, EPS, implementation="fused")
+    assert forward.launches == 1
+
+
+def test_model_routes_every_multi_source_site_through_the_kernels(spies):
+    from mhar_hf import MHARForCausalLM
+
+    forward, backward = spies
+    model = MHARForCausalLM(tiny_config(residual_mode="full", routing_implementation="fused")).to(DEVICE)
+    model(torch.randint(0, 384, (1, 6), device=DEVICE)).logits.sum().backward()
+    sites = 2 * 4 - 1 + 1  # every attention router but layer 0's, every MLP router, the final router
+    assert (forward.launches, backward.launches) == (sites, sites)
+
+
+def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
+    forward, _ = spies
+    sources, query, norm_weight, _ = routing_inputs(3, 64, 5)
+    mixed = [sources[0].half(), *sources[1:]]
+    for _ in range(2):
+        out = route(mixed, query, norm_weight, 4, EPS, implementation="fused")
+    assert forward.launches == 0
+    assert torch.equal(out, route_reference(mixed, query, norm_weight, 4, EPS))
+    assert len([w for w in recwarn if "reference routing op" in str(w.message)]) == 1
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter accepts code the GPU compiler rejects: compile both kernels for Hopper."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from mhar_hf.ops.routing.kernels import route_bwd_kernel, route_fwd_kernel
+        from mhar_hf.ops.routing.fused import _tile
+
+        for width, heads in ((1280, 8), (512, 1), (1536, 12)):
+            tile = _tile(width, heads)
+            common = dict(src0_ptr="*bf16", null_ptr="*bf16", q_ptr="*bf16", g_ptr="*bf16", lse_ptr="*fp32",
+                          num_sources="i32", T="i32", eps="fp32")
+            for kernel, extra, flags in (
+                (route_fwd_kernel, dict(table="*i64", out_ptr="*bf16"), dict(HAS_NULL=True, STORE_LSE=True)),
+                (route_bwd_kernel, dict(table="*i64", grad_table="*i64", dout_ptr="*bf16",
+                                        dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32", num_blocks="i32"),
+                 dict(HAS_NULL=True)),
+            ):
+                constexprs = dict(flags, **tile)
+                types = dict(common, **extra)
+                signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+                triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
