@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .steps_probe import step_probe
+
 
 @dataclass
 class DemoContext:
@@ -96,6 +98,7 @@ STEPS: list[tuple[str, Callable[[DemoContext], str]]] = [
     ("train from scratch", step_train_from_scratch),
     ("save and reload", step_save_reload),
     ("generate", step_generate),
+    ("probe", step_probe),
 ]
 
 
