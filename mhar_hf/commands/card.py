@@ -1,0 +1,23 @@
+"""`mhar card DIR [--results RUN ...]`: write DIR/README.md, the generated model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("card", help="write a model card (README.md with Hub metadata) for a saved model")
+    parser.add_argument("path", metavar="DIR", help="a saved MHAR model folder")
+    parser.add_argument("--results", type=Path, nargs="+", metavar="RUN",
+                        help="`mhar eval` run folders to report (default: every DIR/eval/* run)")
+    parser.add_argument("--name", help="the model's name in the card and model-index (default: the folder name)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a README.md that `mhar card` did not write")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..card import write_card
+
+    path = write_card(args.path, runs=args.results, name=args.name, overwrite=args.overwrite)
+    print(f"wrote {path}")
+    return 0
