@@ -124,8 +124,15 @@ class MetricsLog:
     def __init__(self, path: Path, resumed_step: int | None, enabled: bool):
         self.path, self.enabled = path, enabled
         if enabled and resumed_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resumed_step]
+            kept = [line for line in path.read_text().splitlines() if self._step(line) <= resumed_step]
             path.write_text("".join(line + "\n" for line in kept))
+
+    @staticmethod
+    def _step(line: str) -> float:
+        try:  # a line cut short by a kill does not parse: drop it
+            return json.loads(line)["step"]
+        except (ValueError, KeyError):
+            return float("inf")
 
     def write(self, record: dict) -> None:
         if self.enabled:

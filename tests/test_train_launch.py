@@ -1,0 +1,112 @@
+"""`accelerate launch -m mhar_hf.train` with two gloo/DDP processes on the CPU: a tiny converted
+model trains and saves a loadable model; a run SIGKILLed between checkpoints and resumed logs
+exactly the losses of an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from train_setup import convert_tiny_llama, launch_command, read_metrics, run_launch, train_args, write_jsonl_corpus
+
+from mhar_hf.tiny import demo_corpus
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE_EVERY = 24, 5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("launch")
+    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets-cache")
+    model = convert_tiny_llama(root / "converted", tokenizer)
+    data = write_jsonl_corpus(root / "corpus.jsonl", demo_corpus())
+    return root, model, data
+
+
+def start_run(args: list[str]) -> subprocess.Popen:
+    command, env = launch_command(args)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_between_checkpoints(process: subprocess.Popen, output) -> int:
+    """SIGKILL the launcher and both workers once the run is past its first checkpoint."""
+    metrics_file = output / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        if len(lines) >= SAVE_EVERY + 2:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+            return len(lines)
+        time.sleep(0.01)
+    raise AssertionError(f"the run ended before it could be killed: {process.communicate()[0][-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """An uninterrupted run and one killed between checkpoints (launched side by side), then resumed."""
+    root, model, data = setup
+    options = ("--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--eval-every", "8", "--keep-last", "2")
+    whole, killed = root / "uninterrupted", root / "killed"
+    reference = start_run(train_args(model, data, whole, *options))
+    victim = start_run(train_args(model, data, killed, *options))
+    killed_after = kill_between_checkpoints(victim, killed)
+    assert killed_after < STEPS and not (killed / "model").exists()
+    log = reference.communicate(timeout=240)[0]
+    assert reference.returncode == 0, log[-4000:]
+    resumed = run_launch(train_args(model, data, killed, *options, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    return whole, killed
+
+
+def test_two_processes_train_and_save_a_loadable_model(setup, runs):
+    from transformers import AutoModelForCausalLM
+
+    _, source_path, _ = setup
+    uninterrupted = runs[0]
+    metrics = read_metrics(uninterrupted)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5  # it learns
+    assert [m["step"] for m in metrics if "val_loss" in m] == [8, 16, 24]
+    assert metrics[0]["gate_abs_mean"] > 0  # only the gates get a gradient at step 0, and they move
+    assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == ["step-00000020", "step-00000024"]
+
+    final = uninterrupted / "model"
+    meta = json.loads((final / "mhar_training.json").read_text())
+    assert meta["steps"] == STEPS and meta["processes"] == 2 and meta["tokens"] == STEPS * 2 * 2 * 64
+    assert meta["final_val_loss"] == metrics[-1]["val_loss"]
+    assert (final / "modeling_mhar.py").exists() and json.loads((final / "config.json").read_text())["auto_map"]
+
+    # Loadable by a process that never imported mhar_hf (the remote-code bundle).
+    script = (
+        "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(final)!r}, trust_remote_code=True)\n"
+        "assert 'mhar_hf' not in sys.modules and type(m).__name__ == 'MHARForCausalLM'\n"
+        f"t = AutoTokenizer.from_pretrained({str(final)!r}); print(len(t))\n"
+    )
+    check = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
+
+    trained = AutoModelForCausalLM.from_pretrained(final)
+    source = AutoModelForCausalLM.from_pretrained(source_path)
+    gates = [p.item() for n, p in trained.named_parameters() if n.endswith("_router.gate")]
+    assert all(g != 0 for g in gates)
+    assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
+
+
+def test_sigkill_between_checkpoints_then_resume_logs_the_same_losses(runs):
+    uninterrupted, output = runs
+    expected, got = read_metrics(uninterrupted), read_metrics(output)
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for want, have in zip(expected, got):
+        assert have["loss"] == want["loss"], (want["step"], want["loss"], have["loss"])
+        assert have["lr"] == want["lr"] and have.get("val_loss") == want.get("val_loss")
+    assert not any(p.name.startswith(".tmp") for p in (output / "checkpoints").iterdir())
+    a = (uninterrupted / "model" / "model.safetensors").read_bytes()
+    assert a == (output / "model" / "model.safetensors").read_bytes()
