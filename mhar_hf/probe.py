@@ -54,18 +54,9 @@ def routing_keys(
     return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.to(dtype)
 
 
-def slice_logits(
-    sources: Sequence[torch.Tensor],
-    query: torch.Tensor,
-    key_norm_weight: torch.Tensor,
-    num_heads: int,
-    eps: float,
-    slices: int = SLICES,
-    null_source: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`<q_[h,s], k_n[h,s]>` for every source n, head h and contiguous slice s of the head: `[N, ..., H, S]`.
-    Summed over s they are the site's routing logits."""
-    keys = routing_keys(sources, key_norm_weight, eps, null_source)
+def slice_logits(keys: torch.Tensor, query: torch.Tensor, num_heads: int, slices: int = SLICES) -> torch.Tensor:
+    """`<q_[h,s], k_n[h,s]>` for every source n, head h and contiguous slice s of the head: `[N, ..., H, S]`,
+    from `routing_keys`. Summed over s they are the site's routing logits."""
     width = keys.shape[-1]
     if width % (num_heads * slices):
         raise ValueError(
@@ -74,6 +65,13 @@ def slice_logits(
         )
     shape = (*keys.shape[:-1], num_heads, slices, width // (num_heads * slices))
     return (keys.view(shape) * query.to(keys.dtype).view(num_heads, slices, -1)).sum(-1)
+
+
+def _mean_slice_kl(logits: torch.Tensor) -> torch.Tensor:
+    slices = logits.shape[-1]
+    shared = logits.sum(-1, keepdim=True).log_softmax(0)
+    alone = (logits * slices).log_softmax(0)
+    return (alone.exp() * (alone - shared)).sum(0).mean(-1)
 
 
 def width_disagreement(
@@ -91,10 +89,8 @@ def width_disagreement(
     would choose alone, its logits scaled by S so that alpha's logits are the slices' mean:
     slices that agree give exactly 0, and only disagreement in direction counts.
     """
-    logits = slice_logits(sources, query, key_norm_weight, num_heads, eps, slices, null_source)
-    shared = logits.sum(-1, keepdim=True).log_softmax(0)
-    alone = (logits * slices).log_softmax(0)
-    return (alone.exp() * (alone - shared)).sum(0).mean(-1)
+    keys = routing_keys(sources, key_norm_weight, eps, null_source)
+    return _mean_slice_kl(slice_logits(keys, query, num_heads, slices))
 
 
 def matched_norm_queries(query: torch.Tensor, num_heads: int, draws: int, generator: torch.Generator) -> torch.Tensor:
@@ -179,15 +175,15 @@ class _SiteAccumulator:
     def observe(self, sources: Sequence[torch.Tensor], slices: int) -> None:
         r = self.router
         null = r.null_source if r.gated else None
-        args = (r.key_norm_weight, r.num_heads, r.eps)
-        weights = routing_weights(sources, r.query, *args, null).flatten(1, -2)  # [N, tokens, H]
+        weights = routing_weights(sources, r.query, r.key_norm_weight, r.num_heads, r.eps, null).flatten(1, -2)  # [N, tokens, H]
         summed = weights.sum(1).double().cpu()
         self.weight_sum = summed if self.weight_sum is None else self.weight_sum + summed
         self.tokens += weights.shape[1]
-        disagreement = width_disagreement(sources, r.query, *args, slices, null)
+        keys = routing_keys(sources, r.key_norm_weight, r.eps, null)  # shared by the trained and null queries
+        disagreement = _mean_slice_kl(slice_logits(keys, r.query, r.num_heads, slices))
         self.disagreement_sum += disagreement.flatten(0, -2).sum(0).double().cpu()
         for query in self.null_queries.to(r.query.device):
-            null_disagreement = width_disagreement(sources, query, *args, slices, null)
+            null_disagreement = _mean_slice_kl(slice_logits(keys, query, r.num_heads, slices))
             self.null_sum += null_disagreement.flatten(0, -2).sum(0).double().cpu() / len(self.null_queries)
         if len(sources) >= 2:
             self.pairs = True

@@ -101,9 +101,10 @@ def test_width_disagreement_matches_a_plain_implementation(heads, slices, with_n
 def test_slice_logits_add_up_to_the_models_routing():
     sources, query, norm_weight = random_site(dtype=torch.float32)
     null = torch.randn(32)
-    summed = slice_logits(sources, query, norm_weight, 4, EPS, 2, null).sum(-1).softmax(0)
+    keys = routing_keys(sources, norm_weight, EPS, null)
+    assert keys.shape == (6, 2, 3, 32)
+    summed = slice_logits(keys, query, 4, 2).sum(-1).softmax(0)
     torch.testing.assert_close(summed, routing_weights(sources, query, norm_weight, 4, EPS, null))
-    assert routing_keys(sources, norm_weight, EPS, null).shape == (6, 2, 3, 32)
 
 
 def test_identical_slices_give_zero_disagreement():
