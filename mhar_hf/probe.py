@@ -175,7 +175,8 @@ class _SiteAccumulator:
     def observe(self, sources: Sequence[torch.Tensor], slices: int) -> None:
         r = self.router
         null = r.null_source if r.gated else None
-        weights = routing_weights(sources, r.query, r.key_norm_weight, r.num_heads, r.eps, null).flatten(1, -2)  # [N, tokens, H]
+        weights = routing_weights(sources, r.query, r.key_norm_weight, r.num_heads, r.eps, null)
+        weights = weights.flatten(1, -2)  # [N, tokens, H]
         summed = weights.sum(1).double().cpu()
         self.weight_sum = summed if self.weight_sum is None else self.weight_sum + summed
         self.tokens += weights.shape[1]
@@ -529,7 +530,8 @@ def head_deviation_png(report: dict) -> bytes:
         return _png(figure)
     x = range(len(sites))
     for h, mean in enumerate(summary["head_deviation"]):
-        ax.plot(x, [s["head_deviation"][h] for s in sites], marker="o", markersize=3, label=f"head {h} (mean {mean:.3f})")
+        deviations = [s["head_deviation"][h] for s in sites]
+        ax.plot(x, deviations, marker="o", markersize=3, label=f"head {h} (mean {mean:.3f})")
     ax.set_xticks(list(x), [s["name"] for s in sites], rotation=90, fontsize=6)
     ax.set_ylabel("TV distance from consensus")
     ax.set_ylim(bottom=0)

@@ -78,6 +78,10 @@ def plain_head_deviation(weights):
     return [0.5 * sum(abs(float(weights[n, h]) - consensus[n]) for n in range(sources)) for h in range(heads)]
 
 
+def as_tensor(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def random_site(n=5, width=32, dtype=torch.float64):
     sources = [torch.randn(2, 3, width, dtype=dtype) * (i + 1) for i in range(n)]
     return sources, torch.randn(width, dtype=dtype), 1 + 0.3 * torch.randn(width, dtype=dtype)
@@ -134,9 +138,9 @@ def test_matched_norm_queries_keep_each_heads_norm_and_are_reproducible():
 def test_head_deviation_matches_a_plain_implementation_and_known_cases():
     weights = torch.rand(6, 4, dtype=torch.float64)
     weights = weights / weights.sum(0)
-    torch.testing.assert_close(head_deviation(weights), torch.tensor(plain_head_deviation(weights), dtype=torch.float64))
+    torch.testing.assert_close(head_deviation(weights), as_tensor(plain_head_deviation(weights)))
     # Head 0 reads source 0 only, head 1 reads source 1 only: each is half its mass from the consensus.
-    torch.testing.assert_close(head_deviation(torch.eye(3, 2, dtype=torch.float64)), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(head_deviation(torch.eye(3, 2, dtype=torch.float64)), as_tensor([0.5, 0.5]))
     assert torch.equal(head_deviation(torch.full((3, 4), 1 / 3)), torch.zeros(4))
 
 
@@ -185,7 +189,7 @@ def test_a_query_on_the_embedding_puts_all_weight_there(mode):
     embedding = 1 if mode == "delta" else 0  # delta's source 0 is the null source
     for site in report["sites"]:
         assert site["sources"][embedding] == "emb"
-        weights = torch.tensor(site["weights"], dtype=torch.float64)
+        weights = as_tensor(site["weights"])
         expected = torch.zeros_like(weights)
         expected[embedding] = 1
         torch.testing.assert_close(weights, expected, rtol=0, atol=1e-6)
@@ -197,7 +201,7 @@ def test_two_heads_reading_different_sources_deviate_by_half():
     model = marked_model("full", heads=2, markers=[0, 32], query_values=[1000.0, -1000.0])
     report = probe_model(model, tokens(), seq_len=16)
     for site in report["sites"]:
-        weights = torch.tensor(site["weights"], dtype=torch.float64)
+        weights = as_tensor(site["weights"])
         n = len(weights)
         torch.testing.assert_close(weights[:, 0], torch.eye(n, dtype=torch.float64)[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(weights[1:, 1], torch.full((n - 1,), 1 / (n - 1), dtype=torch.float64))
@@ -212,7 +216,7 @@ def test_two_slices_reading_different_sources_give_the_known_disagreement():
     report = probe_model(model, tokens(), seq_len=16, slices=2)
     for site in report["sites"]:
         n = len(site["weights"])
-        torch.testing.assert_close(torch.tensor(site["weights"], dtype=torch.float64)[:, 0], torch.full((n,), 1 / n, dtype=torch.float64))
+        torch.testing.assert_close(as_tensor(site["weights"])[:, 0], torch.full((n,), 1 / n, dtype=torch.float64))
         assert site["width_disagreement"][0] == pytest.approx((math.log(n) + math.log(n / (n - 1))) / 2, rel=1e-5)
         assert site["head_deviation"] is None
     assert any("single-head" in note for note in report["summary"]["notes"])
@@ -276,7 +280,7 @@ def test_a_just_converted_delta_model_routes_uniformly_and_says_so():
     report = probe_model(model, tokens(), seq_len=16)
     for site in report["sites"]:
         n = len(site["weights"])
-        torch.testing.assert_close(torch.tensor(site["weights"], dtype=torch.float64), torch.full((n, 4), 1 / n, dtype=torch.float64))
+        torch.testing.assert_close(as_tensor(site["weights"]), torch.full((n, 4), 1 / n, dtype=torch.float64))
         assert site["gate"] == 0 and site["width_disagreement"] == [0.0] * 4 and site["null_disagreement"] == [0.0] * 4
     summary = report["summary"]
     assert summary["zero_queries"] and summary["zero_gates"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("probe", help="measure and plot what each routing head reads on a text")
-    parser.add_argument("path", metavar="DIR", help="an MHAR model folder written by save_pretrained (with its tokenizer)")
+    parser.add_argument("path", metavar="DIR", help="an MHAR model folder (save_pretrained, with its tokenizer)")
     parser.add_argument("--data", required=True, type=Path, help="a text file, or jsonl with a 'text' field")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the text to probe (default 4096)")
     parser.add_argument("--out", type=Path, help="output folder (default DIR/probe)")
