@@ -397,10 +397,8 @@ def load_model(path: str | Path, device: str | None = None):
         raise ValueError(f"{folder} is an MHAR model in residual_mode='standard': it has no routers to probe")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"no tokenizer in {folder}: save one there with tokenizer.save_pretrained(DIR)")
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    if device is not None:
-        model.to(device)
-    return model, AutoTokenizer.from_pretrained(folder)
+    # device_map loads the weights straight onto the device
+    return AutoModelForCausalLM.from_pretrained(folder, device_map=device), AutoTokenizer.from_pretrained(folder)
 
 
 def probe_folder(
