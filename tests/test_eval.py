@@ -1,0 +1,231 @@
+"""`mhar eval` and the harness, offline: both paper tasks on a tiny local model and synthetic
+files in the original formats; the plain `lm_eval` CLI through the remote-code bundle; bad input."""
+
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhar_hf.cli import main
+from mhar_hf.compare import compare_runs
+
+GSM8K_TRAIN = [(3, 4), (5, 6), (2, 9), (7, 8), (4, 4), (6, 3)]
+GSM8K_TEST = [(8, 7), (9, 2), (3, 11), (12, 5)]
+# (question, correct, three wrong answers). Answers that pandas would turn into numbers ("0.50",
+# "007") must reach the prompt as written.
+GPQA_ROWS = [
+    ("A crate holds 4 jars of 0.25 litres. Half the crate is poured out. How many litres remain?",
+     "0.50", "0.5 litres less", "1", "2"),
+    ("Agent numbers count up from 1, padded to three digits. Which agent is seventh?", "007", "7", "070", "700"),
+    ("A train leaves at 3 pm and travels 4 hours. When does it arrive?", "7 pm", "6 pm", "8 pm", "1 pm"),
+    ("A farmer has 5 rows of 6 leeks. How many leeks?", "30", "11", "25", "36"),
+    ("A bag of 12 marbles is split among 3 children. How many each?", "4", "3", "6", "9"),
+]
+LOCAL_TASKS = ["gsm8k_local", "gpqa_main_zeroshot_local"]
+LIMIT = 3
+
+
+def write_gsm8k(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    for name, pairs in (("train", GSM8K_TRAIN), ("test", GSM8K_TEST)):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for a, b in pairs:
+                question = f"Mia packs {a} boxes with {b} pencils each. How many pencils does she pack?"
+                answer = f"Each box holds {b} pencils, so {a} boxes hold {a}*{b}=<<{a}*{b}={a * b}>>{a * b}.\n#### {a * b}"
+                f.write(json.dumps({"question": question, "answer": answer}) + "\n")
+
+
+def write_gpqa(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    columns = ["Record ID", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+               "Incorrect Answer 3", "Explanation"]
+    with open(folder / "gpqa_main.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for i, row in enumerate(GPQA_ROWS):
+            writer.writerow([f"rec{i}", *row, "invented for the test"])
+
+
+def save_tiny(path: Path, tokenizer, seed: int) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from mhar_hf import save_remote_code
+    from mhar_hf.tiny import tiny_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer), residual_mode="full"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    save_remote_code(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("eval")
+    write_gsm8k(root / "data" / "gsm8k")
+    write_gpqa(root / "data" / "gpqa")
+    return {"root": root, "data": root / "data", "model_a": save_tiny(root / "model_a", tokenizer, seed=0),
+            "model_b": save_tiny(root / "model_b", tokenizer, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def run_a(workspace):
+    from mhar_hf.evaluate import evaluate
+
+    return evaluate(workspace["model_a"], LOCAL_TASKS, limit=LIMIT, batch_size=4, data_dir=workspace["data"],
+                    output=workspace["root"] / "run_a", max_gen_toks=8, report=lambda _: None)
+
+
+def read_samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def strict_match(response: str, answer: str) -> bool:
+    """GSM8K strict-match, written from the task's definition: the first `#### N` of the
+    response against the reference's, ignoring case, commas, `$` and a final period."""
+    found = re.search(r"#### (\-?[0-9\.\,]+)", response)
+    if not found:
+        return False
+    clean = lambda text: re.sub(r"\.$", "", text.replace(",", "").replace("$", "")).lower()  # noqa: E731
+    return clean(found.group(1)) == clean(answer.split("#### ")[-1])
+
+
+def test_run_folder_follows_the_paper_protocol(run_a, workspace):
+    results = json.loads((run_a / "results.json").read_text())
+    info = results["mhar"]
+    assert info["model"] == str(workspace["model_a"].resolve())
+    assert info["primary"] == {"gsm8k_local": {"metric": "exact_match", "filter": "strict-match"},
+                               "gpqa_main_zeroshot_local": {"metric": "acc", "filter": "none"}}
+    assert results["n-shot"] == {"gsm8k_local": 5, "gpqa_main_zeroshot_local": 0}
+    assert {task: n["effective"] for task, n in results["n-samples"].items()} == {t: LIMIT for t in LOCAL_TASKS}
+    # The resolved task files point at the data with absolute paths and work from any folder.
+    rendered = (run_a / "tasks" / "gsm8k_local.yaml").read_text()
+    assert str((workspace["data"] / "gsm8k" / "test.jsonl").resolve()) in rendered
+    assert "${" not in rendered
+    assert not list(run_a.parent.glob(".run_a.partial-*"))
+
+    samples = read_samples(run_a / "samples_gsm8k_local.jsonl")
+    assert sorted((s["doc_id"], s["filter"]) for s in samples) == sorted(
+        (i, f) for i in range(LIMIT) for f in ("strict-match", "flexible-extract"))
+    train_questions = {f"Mia packs {a} boxes" for a, _ in GSM8K_TRAIN}
+    for sample in samples:
+        prompt = sample["arguments"][0][0]
+        a, b = GSM8K_TEST[sample["doc_id"]]
+        assert prompt.endswith(f"Question: Mia packs {a} boxes with {b} pencils each. How many pencils does she pack?\nAnswer:")
+        shots = re.findall(r"Question: (Mia packs \d+ boxes)", prompt)[:-1]
+        assert len(shots) == 5 and set(shots) <= train_questions  # 5-shot, from the train file
+
+
+def test_per_item_outcomes_match_an_independent_scoring(run_a):
+    results = json.loads((run_a / "results.json").read_text())
+    gsm8k = [s for s in read_samples(run_a / "samples_gsm8k_local.jsonl") if s["filter"] == "strict-match"]
+    for sample in gsm8k:
+        assert sample["correct"] == strict_match(sample["resps"][0][0], sample["target"])
+    assert results["results"]["gsm8k_local"]["exact_match,strict-match"] == pytest.approx(
+        sum(s["correct"] for s in gsm8k) / LIMIT)
+
+    gpqa = read_samples(run_a / "samples_gpqa_main_zeroshot_local.jsonl")
+    assert len(gpqa) == LIMIT
+    for sample in gpqa:
+        doc = sample["doc"]
+        question, correct, *wrong = GPQA_ROWS[sample["doc_id"]]
+        assert doc["Correct Answer"] == correct and [doc[f"Incorrect Answer {i}"] for i in (1, 2, 3)] == wrong
+        choices = [doc[f"choice{i}"] for i in (1, 2, 3, 4)]
+        assert sorted(choices) == sorted([correct, *wrong])
+        assert sample["target"] == f"({'ABCD'[choices.index(correct)]})"
+        loglikelihoods = [resp[0][0] for resp in sample["resps"]]
+        best = max(range(4), key=loglikelihoods.__getitem__)
+        assert sample["correct"] == (best == "ABCD".index(sample["target"][1]))
+    assert results["results"]["gpqa_main_zeroshot_local"]["acc,none"] == pytest.approx(
+        sum(s["correct"] for s in gpqa) / LIMIT)
+
+
+def test_runs_of_one_task_pair_up_whatever_else_ran(run_a, workspace, capsys):
+    """GPQA shuffles choices with the global RNG: run B evaluates GPQA alone, yet its items
+    (choice order included) are run A's, and compare reproduces an independent McNemar test."""
+    run_b = workspace["root"] / "run_b"
+    code = main(["eval", str(workspace["model_b"]), "--tasks", "gpqa_main_zeroshot_local", "--limit", str(LIMIT),
+                 "--batch-size", "2", "--data-dir", str(workspace["data"]), "--output", str(run_b)])
+    assert code == 0
+    a = {s["doc_id"]: s for s in read_samples(run_a / "samples_gpqa_main_zeroshot_local.jsonl")}
+    b = {s["doc_id"]: s for s in read_samples(run_b / "samples_gpqa_main_zeroshot_local.jsonl")}
+    assert {i: s["arguments"] for i, s in a.items()} == {i: s["arguments"] for i, s in b.items()}
+    [paired] = compare_runs(run_a, run_b)  # gsm8k is in run A only: not compared
+    only_a = sum(a[i]["correct"] and not b[i]["correct"] for i in a)
+    only_b = sum(b[i]["correct"] and not a[i]["correct"] for i in a)
+    n = only_a + only_b
+    expected_p = min(1.0, 2 * sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n) if n else 1.0
+    assert (paired.task, paired.items, paired.only_a, paired.only_b) == ("gpqa_main_zeroshot_local", LIMIT, only_a, only_b)
+    assert paired.p_value == pytest.approx(expected_p)
+    capsys.readouterr()
+    assert main(["eval", "compare", str(run_a), str(run_b)]) == 0
+    assert "gpqa_main_zeroshot_local" in capsys.readouterr().out
+
+
+def test_plain_lm_eval_cli_loads_the_folder_through_remote_code(run_a, workspace, tmp_path):
+    """`lm_eval --model hf` on an MHAR folder (the stock CLI, loading the bundled modeling code):
+    same items and the same greedy answers as `mhar eval`."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf",
+               "--model_args", f"pretrained={workspace['model_a']},trust_remote_code=True",
+               "--tasks", "gsm8k_local", "--include_path", str(run_a / "tasks"), "--limit", str(LIMIT),
+               "--device", "cpu", "--batch_size", "4", "--gen_kwargs", "max_gen_toks=8",
+               "--output_path", str(tmp_path / "out"), "--log_samples"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [samples_file] = (tmp_path / "out").rglob("samples_gsm8k_local_*.jsonl")
+    theirs = {(s["doc_id"], s["filter"]): s["resps"] for s in read_samples(samples_file)}
+    ours = {(s["doc_id"], s["filter"]): s["resps"] for s in read_samples(run_a / "samples_gsm8k_local.jsonl")}
+    assert theirs == ours
+
+
+def test_unknown_task_is_named_with_suggestions(workspace, capsys):
+    code = main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_locl", "--data-dir", str(workspace["data"]),
+                 "--output", str(workspace["root"] / "unknown")])
+    error = capsys.readouterr().err
+    assert code == 2 and "unknown task 'gsm8k_locl'" in error and "gsm8k_local" in error
+    assert not (workspace["root"] / "unknown").exists()
+
+
+def test_missing_data_file_and_missing_data_dir(workspace, tmp_path, capsys):
+    partial = tmp_path / "data"
+    write_gsm8k(partial / "gsm8k")  # no gpqa file
+    out = tmp_path / "run"
+    code = main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_local,gpqa_main_zeroshot_local",
+                 "--data-dir", str(partial), "--output", str(out)])
+    error = capsys.readouterr().err
+    assert code == 2 and "gpqa_main.csv not found" in error
+    assert not out.exists() and not list(tmp_path.glob(".run.partial-*"))
+    code = main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_local", "--output", str(out)])
+    assert code == 2 and "pass --data-dir" in capsys.readouterr().err
+
+
+def test_folder_without_a_model(workspace, tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text((workspace["model_a"] / "config.json").read_text())
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "no weights" in capsys.readouterr().err
+
+
+def test_output_folder_must_be_new_and_arguments_are_checked(workspace, run_a, capsys):
+    assert main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_local", "--output", str(run_a)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["eval", str(workspace["model_a"]), "--batch-size", "zero", "--output", str(run_a.parent / "x")]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "compare", str(run_a)])
+    with pytest.raises(SystemExit):
+        main(["eval", "compare", str(run_a), str(run_a), "--limit", "3"])
+    with pytest.raises(SystemExit):
+        main(["eval", str(workspace["model_a"]), str(run_a)])
