@@ -48,6 +48,8 @@ def check_sources(specs: Sequence[str]) -> None:
         path = Path(spec).expanduser()
         if path.is_file() and path.suffix not in FILE_BUILDERS:
             raise ValueError(f"--data {spec}: unsupported file type {path.suffix!r}; use one of {', '.join(FILE_BUILDERS)}")
+        if path.is_file() and path.stat().st_size == 0:
+            raise ValueError(f"--data {spec} is empty: it holds no documents")
 
 
 def load_documents(specs: Sequence[str], text_field: str = "text", streaming: bool = False, split: str = "train",
