@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .steps_convert import step_convert, step_train_llama, step_verify_identity
 from .steps_probe import step_probe
 
 
@@ -98,6 +99,9 @@ STEPS: list[tuple[str, Callable[[DemoContext], str]]] = [
     ("train from scratch", step_train_from_scratch),
     ("save and reload", step_save_reload),
     ("generate", step_generate),
+    ("train a tiny Llama", step_train_llama),
+    ("convert to MHAR", step_convert),
+    ("verify identity", step_verify_identity),
     ("probe", step_probe),
 ]
 
