@@ -1,0 +1,138 @@
+"""In-process runs of `mhar train` (one process): z-loss, weight EMA, routing-only and LoRA paths,
+and bad input failing with a clear message before any training step."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_setup import convert_tiny_llama, read_metrics, train_args, write_jsonl_corpus
+
+from mhar_hf.cli import main as cli
+from mhar_hf.tiny import demo_corpus, tiny_config, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("run")
+    model = convert_tiny_llama(root / "converted", tokenizer)
+    data = write_jsonl_corpus(root / "corpus.jsonl", demo_corpus())
+    return root, model, data
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate(monkeypatch, tmp_path_factory):
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "datasets-cache"))
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def run(setup, name, *extra, steps=4):
+    root, model, data = setup
+    output = root / name
+    assert cli(["train", *train_args(model, data, output, "--max-steps", str(steps), "--save-every", "2", *extra)]) == 0
+    return output
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_z_loss_changes_the_update_not_the_first_forward(setup):
+    plain, with_z = run(setup, "plain"), run(setup, "zloss", "--z-loss", "0.05")
+    a, b = read_metrics(plain), read_metrics(with_z)
+    assert a[0]["loss"] == b[0]["loss"] and a[0]["z_loss"] == b[0]["z_loss"] > 0
+    assert a[1]["loss"] != b[1]["loss"]
+    assert json.loads((with_z / "model" / "mhar_training.json").read_text())["z_loss"] == 0.05
+
+
+def test_ema_model_is_the_average_not_the_last_weights(setup):
+    output = run(setup, "ema", "--ema-decay", "0.5")
+    saved = weights(output / "model")
+    raw = weights(output / "checkpoints" / "step-00000004")
+    ema = torch.load(output / "checkpoints" / "step-00000004" / "ema_0.pt", weights_only=True)
+    averages = dict(zip(ema["names"], ema["shadow"]))
+    assert set(averages) == set(raw) - {"lm_head.weight"}  # lm_head is tied to the embedding
+    for name, average in averages.items():
+        assert torch.equal(saved[name], average), name
+    assert any(not torch.equal(saved[n], raw[n]) for n in averages)
+    assert json.loads((output / "model" / "mhar_training.json").read_text())["ema_decay"] == 0.5
+
+
+def test_train_only_routing_leaves_the_backbone_untouched(setup):
+    output = run(setup, "routing", "--train-only-routing")
+    source, trained = weights(setup[1]), weights(output / "model")
+    routing = {n for n in trained if "_router." in n}
+    assert routing and all(torch.equal(source[n], trained[n]) for n in trained if n not in routing)
+    gates = [trained[n].item() for n in routing if n.endswith(".gate")]
+    assert all(g != 0 for g in gates)
+
+
+def test_lora_adapter_keeps_the_routers_and_merging_gives_the_same_model(setup):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = run(setup, "lora", "--lora-rank", "4")
+    merged = run(setup, "lora-merged", "--lora-rank", "4", "--merge-lora")
+    assert (adapter / "model" / "adapter_config.json").exists() and (adapter / "model" / "mhar_training.json").exists()
+    assert read_metrics(adapter) == [{**m, "tokens_per_s": r["tokens_per_s"]} for m, r in zip(read_metrics(merged), read_metrics(adapter))]
+
+    base = AutoModelForCausalLM.from_pretrained(setup[1])
+    source = {n: p.detach().clone() for n, p in base.named_parameters()}
+    with_adapter = PeftModel.from_pretrained(base, adapter / "model").merge_and_unload().eval()
+    full = AutoModelForCausalLM.from_pretrained(merged / "model").eval()
+    assert type(full).__name__ == "MHARForCausalLM" and (merged / "model" / "modeling_mhar.py").exists()
+    probe = torch.arange(40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(probe).logits, full(probe).logits, rtol=1e-5, atol=1e-5)
+    trained = dict(full.named_parameters())
+    assert not torch.equal(trained["model.layers.0.self_attn.q_proj.weight"], source["model.layers.0.self_attn.q_proj.weight"])
+    assert trained["model.layers.1.attn_router.gate"].item() != 0  # routers trained and kept
+    assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])  # not a LoRA target
+
+
+def expect_error(capsys, setup, name, *extra, match, model=None, data=None):
+    root, default_model, default_data = setup
+    output = root / name
+    args = train_args(model or default_model, data or default_data, output, "--max-steps", "3", *extra)
+    assert cli(["train", *args]) == 2
+    message = capsys.readouterr().err
+    assert match in message, message
+    assert not output.exists() or not any((output / m).exists() for m in ("metrics.jsonl", "checkpoints", "model"))
+
+
+def test_bad_input_fails_before_training(setup, capsys, tmp_path):
+    root, model, data = setup
+    expect_error(capsys, setup, "bad1", match="missing.jsonl: no such file", data=root / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    expect_error(capsys, setup, "bad2", match="empty.jsonl is empty", data=tmp_path / "empty.jsonl")
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "only a few words"}) + "\n")
+    expect_error(capsys, setup, "bad3", match="only 0 packed sequences", data=tmp_path / "tiny.jsonl")
+
+    big_vocab = tmp_path / "big-vocab"
+    shutil.copytree(model, big_vocab)
+    train_tokenizer([demo_corpus()], vocab_size=600).save_pretrained(big_vocab)
+    expect_error(capsys, setup, "bad4", match="the tokenizer has 600 tokens but the model's vocabulary has 384", model=big_vocab)
+
+    from mhar_hf import MHARForCausalLM
+
+    short = tmp_path / "short-context"
+    MHARForCausalLM(tiny_config(residual_mode="delta", max_position_embeddings=32)).save_pretrained(short)
+    train_tokenizer([demo_corpus()]).save_pretrained(short)
+    expect_error(capsys, setup, "bad5", match="--seq-length 64 exceeds the model's max_position_embeddings=32", model=short)
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert cli(["train", *train_args(model, data, blocker / "run", "--max-steps", "3")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert cli(["train", *train_args(model, data, blocker, "--max-steps", "3")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+    done = run(setup, "done", steps=3)
+    assert cli(["train", *train_args(model, data, done, "--max-steps", "3")]) == 2
+    assert "holds a previous run: pass --resume" in capsys.readouterr().err
