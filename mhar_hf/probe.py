@@ -263,8 +263,8 @@ class RoutingProbe:
 def token_chunks(ids: torch.Tensor, seq_len: int, batch_size: int) -> Iterable[torch.Tensor]:
     """`[batch, seq_len]` batches of consecutive windows, then the shorter remainder on its own."""
     full = len(ids) // seq_len
-    windows = ids[: full * seq_len].view(full, seq_len)
-    yield from windows.split(batch_size)
+    if full:
+        yield from ids[: full * seq_len].view(full, seq_len).split(batch_size)
     if len(ids) % seq_len:
         yield ids[full * seq_len :].unsqueeze(0)
 
@@ -437,19 +437,20 @@ def probe_folder(
 def format_table(report: dict) -> str:
     """The printed table: one row per site, then the summary."""
     sites, summary = report["sites"], report["summary"]
-    header = f"{'site':<16}{'N':>4}  {'top source':<14}{'width KL':>10}{'null KL':>10}{'excess':>10}" \
+    header = f"{'site':<16}{'N':>4}  {'reads most':<14}{'width KL':>10}{'null KL':>10}{'excess':>10}" \
              f"{'max dev':>9}{'collin':>8}{'gate':>9}"
     lines = [header, "-" * len(header)]
     for site in sites:
         weights = torch.tensor(site["weights"])
         mean = weights.mean(-1).tolist()
         top = max(range(len(mean)), key=mean.__getitem__)
+        reads = "uniform" if max(mean) - min(mean) < 1e-6 else f"{site['sources'][top]} {mean[top]:.2f}"
         kl, null = _mean(site["width_disagreement"]), _mean(site["null_disagreement"])
         dev = f"{max(site['head_deviation']):9.3f}" if site["head_deviation"] else f"{'-':>9}"
         col = f"{site['collinearity']:8.3f}" if site["collinearity"] is not None else f"{'-':>8}"
         gate = f"{site['gate']:9.4f}" if site["gate"] is not None else f"{'-':>9}"
         lines.append(
-            f"{site['name']:<16}{len(mean):>4}  {site['sources'][top] + f' {mean[top]:.2f}':<14}"
+            f"{site['name']:<16}{len(mean):>4}  {reads:<14}"
             f"{kl:10.4f}{null:10.4f}{kl - null:10.4f}{dev}{col}{gate}"
         )
     lines.append("")

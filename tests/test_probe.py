@@ -17,6 +17,7 @@ from mhar_hf.probe import (
     probe_model,
     read_text,
     routing_keys,
+    token_chunks,
     slice_logits,
     source_collinearity,
     width_disagreement,
@@ -228,6 +229,14 @@ def test_identical_slices_in_a_model_give_zero_disagreement_and_the_null_does_no
     assert summary["width_disagreement"] == pytest.approx(0.0, abs=1e-6)
     assert summary["null_disagreement"] > 0.01
     assert summary["learned_excess"] == pytest.approx(-summary["null_disagreement"], abs=1e-6)
+
+
+@pytest.mark.parametrize("count,seq_len,batch_size", [(40, 16, 8), (40, 64, 8), (64, 16, 3), (16, 16, 1)])
+def test_token_chunks_cover_every_token_once_in_order(count, seq_len, batch_size):
+    ids = torch.arange(count)
+    chunks = list(token_chunks(ids, seq_len, batch_size))
+    assert all(c.dim() == 2 and 0 < c.shape[0] <= batch_size and 0 < c.shape[1] <= seq_len for c in chunks)
+    assert torch.equal(torch.cat([c.flatten() for c in chunks]), ids)
 
 
 def randomly_routed(mode):
