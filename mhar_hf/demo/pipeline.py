@@ -15,6 +15,7 @@ import torch
 
 from .steps_convert import step_convert, step_train_llama, step_verify_identity
 from .steps_probe import step_probe
+from .steps_eval import step_card, step_evaluate
 
 
 @dataclass
@@ -103,6 +104,8 @@ STEPS: list[tuple[str, Callable[[DemoContext], str]]] = [
     ("convert to MHAR", step_convert),
     ("verify identity", step_verify_identity),
     ("probe", step_probe),
+    ("evaluate", step_evaluate),
+    ("model card", step_card),
 ]
 
 
