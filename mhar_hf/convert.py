@@ -493,9 +493,9 @@ def write_shard(path: Path, tensors: list[OutputTensor], reader: _SourceReader) 
         os.fsync(out.fileno())
 
 
-def write_weights(plan: ConversionPlan, folder: Path, max_shard_size: int | str, log: Callable[[str], None]) -> list[str]:
+def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int, log: Callable[[str], None]) -> list[str]:
     """The converted weights in `folder`: shards (and an index when there are several)."""
-    shards = split_into_shards(plan.tensors, parse_size(max_shard_size))
+    shards = split_into_shards(plan.tensors, max_shard_bytes)
     count = len(shards)
     names = [SAFE_SINGLE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
     reader = _SourceReader()
@@ -599,6 +599,7 @@ def convert_checkpoint(
     from . import __version__
     from .remote_code import save_remote_code
 
+    max_shard_bytes = parse_size(max_shard_size)
     source = resolve_source(src)
     dst = Path(dst).absolute()
     _check_destination(source, dst, overwrite)
@@ -611,7 +612,7 @@ def convert_checkpoint(
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
     try:
-        shards = write_weights(plan, tmp, max_shard_size, log)
+        shards = write_weights(plan, tmp, max_shard_bytes, log)
         plan.config.save_pretrained(tmp)
         save_remote_code(tmp)
         copied = copy_auxiliary_files(source, tmp)
