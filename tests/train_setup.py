@@ -14,6 +14,7 @@ import torch
 
 from conftest import shrunk_real_config
 
+CPU_SMOKE_CONFIG = Path(__file__).parents[1] / "training" / "configs" / "cpu_smoke.yaml"
 NOT_CONFIG_FIELDS = {"architectures", "model_type", "transformers_version", "torch_dtype"}
 
 
@@ -55,12 +56,11 @@ def train_args(model: Path, data: Path, output: Path, *extra: str) -> list[str]:
 
 
 def launch_command(args: list[str], processes: int = 2) -> tuple[list[str], dict]:
-    """`accelerate launch` of `-m mhar_hf.train` with `processes` gloo/DDP workers on the CPU."""
+    """`accelerate launch` of `-m mhar_hf.train` with training/configs/cpu_smoke.yaml: gloo/DDP
+    workers on the CPU."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", str(processes)]
-    if processes > 1:
-        command += ["--multi_gpu", "--main_process_port", str(free_port())]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_SMOKE_CONFIG),
+               "--num_processes", str(processes), "--main_process_port", str(free_port())]
     return [*command, "-m", "mhar_hf.train", *args], env
 
 
