@@ -15,6 +15,7 @@ import torch
 
 from .steps_convert import step_convert, step_train_llama, step_verify_identity
 from .steps_probe import step_probe
+from .steps_train import step_midtrain
 from .steps_eval import step_card, step_evaluate
 
 
@@ -103,6 +104,7 @@ STEPS: list[tuple[str, Callable[[DemoContext], str]]] = [
     ("train a tiny Llama", step_train_llama),
     ("convert to MHAR", step_convert),
     ("verify identity", step_verify_identity),
+    ("mid-train", step_midtrain),
     ("probe", step_probe),
     ("evaluate", step_evaluate),
     ("model card", step_card),
