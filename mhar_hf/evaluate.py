@@ -241,12 +241,18 @@ def evaluate(
         for task in tasks:
             # One harness call per task, same seeds: an item's presentation never depends on
             # which other tasks ran, so runs of one task pair up item by item.
-            result = simple_evaluate(
-                lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True,
-                gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
-                random_seed=seed, numpy_random_seed=seed + 1234, torch_random_seed=seed + 1234,
-                fewshot_random_seed=seed + 1234,
-            )
+            try:
+                result = simple_evaluate(
+                    lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True,
+                    gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
+                    random_seed=seed, numpy_random_seed=seed + 1234, torch_random_seed=seed + 1234,
+                    fewshot_random_seed=seed + 1234,
+                )
+            except ConnectionError as error:  # the model is loaded: only a dataset download is left
+                raise FileNotFoundError(
+                    f"task {task!r}: its dataset could not be fetched ({error}). Offline, run the local "
+                    f"variants on your copies of the files: --tasks gsm8k_local,gpqa_main_zeroshot_local "
+                    f"--data-dir DATA (see evaluation/README.md)") from error
             for key in ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
                 merged.setdefault(key, {}).update(result.get(key, {}))
             for name, samples in result["samples"].items():
