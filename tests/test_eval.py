@@ -187,6 +187,23 @@ def test_plain_lm_eval_cli_loads_the_folder_through_remote_code(run_a, workspace
     assert theirs == ours
 
 
+def test_include_path_adds_a_task_folder(workspace, tmp_path):
+    """A user's own lm-eval task folder, used as lm-eval's --include_path uses it."""
+    from mhar_hf.evaluate import evaluate, harness_tasks_dir
+
+    folder = tmp_path / "my_tasks"
+    folder.mkdir()
+    (folder / "arith.yaml").write_text(
+        f"include: {harness_tasks_dir() / 'gsm8k' / 'gsm8k.yaml'}\ntask: my_arith\ntag: []\ndataset_path: json\n"
+        f"dataset_name: null\nnum_fewshot: 2\ndataset_kwargs:\n  data_files:\n"
+        f"    train: {workspace['data'] / 'gsm8k' / 'train.jsonl'}\n    test: {workspace['data'] / 'gsm8k' / 'test.jsonl'}\n")
+    run = evaluate(workspace["model_a"], ["my_arith"], limit=2, batch_size=2, include_paths=[folder],
+                   output=tmp_path / "run", max_gen_toks=4, report=lambda _: None)
+    results = json.loads((run / "results.json").read_text())
+    assert results["n-shot"] == {"my_arith": 2} and results["n-samples"]["my_arith"]["effective"] == 2
+    assert not (run / "tasks").exists()
+
+
 def test_unknown_task_is_named_with_suggestions(workspace, capsys):
     code = main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_locl", "--data-dir", str(workspace["data"]),
                  "--output", str(workspace["root"] / "unknown")])

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 USAGE = """mhar eval DIR [--tasks gsm8k,gpqa_main_zeroshot] [--limit N] [--batch-size auto] [--output RUN]
-                 [--data-dir DATA] [--include-path FOLDER ...] [--device DEVICE] [--max-gen-toks N]
+                 [--data-dir DATA] [--include-path FOLDER ...] [--device DEVICE] [--max-gen-toks N] [--seed N]
        mhar eval compare RUN_A RUN_B"""
 
 DESCRIPTION = """Evaluate DIR with the LM Evaluation Harness, by default with the paper's protocol
