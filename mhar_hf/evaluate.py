@@ -172,6 +172,9 @@ def primary_metric(task_config: dict) -> tuple[str, str]:
 
     For `gsm8k` that is exact_match after `strict-match`, for `gpqa_main_zeroshot` acc: the
     paper's protocol."""
+    if not task_config.get("metric_list"):
+        raise ValueError(f"task {task_config.get('task')!r} names no metric_list: mhar eval needs YAML tasks "
+                         f"that list their metrics")
     metric = task_config["metric_list"][0]["metric"]
     filters = task_config.get("filter_list") or []
     return metric, (filters[0]["name"] if filters else "none")
