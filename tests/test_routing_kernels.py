@@ -85,6 +85,20 @@ def test_forward_and_every_gradient_match_fp64_reference(n, width, heads, tokens
         assert rel_rms(grad, expected) < TOLERANCE[dtype], name
 
 
+@pytest.mark.skipif(not GPU, reason="autotuned launches (large token counts) run on the GPU only")
+@pytest.mark.parametrize("heads", [8, 1])
+def test_tuned_launch_at_training_size(heads):
+    sources, query, norm_weight, null_source = routing_inputs(6, 1280, 2048, dtype=torch.bfloat16, null=True)
+    grad_out = torch.randn(1, 2048, 1280, device=DEVICE)
+    out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
+    ref, ref_grads = forward_and_grads(
+        route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), heads, grad_out
+    )
+    assert rel_rms(out, ref) < TOLERANCE[torch.bfloat16]
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        assert rel_rms(grad, expected) < TOLERANCE[torch.bfloat16]
+
+
 def test_single_source_is_returned_unchanged():
     (source,), query, norm_weight, _ = routing_inputs(1, 32, 5)
     assert fused_route([source], query, norm_weight, 4, EPS) is source
@@ -144,9 +158,9 @@ class LaunchSpy:
 
 @pytest.fixture
 def spies(monkeypatch):
-    forward, backward = LaunchSpy(fused.route_fwd_kernel), LaunchSpy(fused.route_bwd_kernel)
-    monkeypatch.setattr(fused, "route_fwd_kernel", forward)
-    monkeypatch.setattr(fused, "route_bwd_kernel", backward)
+    forward, backward = LaunchSpy(fused.route_fwd[False]), LaunchSpy(fused.route_bwd[False])
+    monkeypatch.setitem(fused.route_fwd, False, forward)
+    monkeypatch.setitem(fused.route_bwd, False, backward)
     return forward, backward
 
 
@@ -191,20 +205,21 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing.kernels import route_bwd_kernel, route_fwd_kernel
         from mhar_hf.ops.routing.fused import _tile
 
-        for width, heads in ((1280, 8), (512, 1), (1536, 12)):
-            tile = _tile(width, heads)
+        for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 2, 4), (1536, 12, 2, 2)):
+            tile = dict(_tile(width, heads), BLOCK_T=block_t)
             common = dict(src0_ptr="*bf16", null_ptr="*bf16", q_ptr="*bf16", g_ptr="*bf16", lse_ptr="*fp32",
                           num_sources="i32", T="i32", eps="fp32")
             for kernel, extra, flags in (
                 (route_fwd_kernel, dict(table="*i64", out_ptr="*bf16"), dict(HAS_NULL=True, STORE_LSE=True)),
                 (route_bwd_kernel, dict(table="*i64", grad_table="*i64", dout_ptr="*bf16",
-                                        dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32", num_blocks="i32"),
+                                        dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32"),
                  dict(HAS_NULL=True)),
             ):
                 constexprs = dict(flags, **tile)
                 types = dict(common, **extra)
                 signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-                triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+                triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps))
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

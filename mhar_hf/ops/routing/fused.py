@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from .kernels import route_bwd_kernel, route_fwd_kernel
+from . import kernels
 
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
@@ -22,12 +22,39 @@ def _interpreted() -> bool:
 def _tile(width: int, num_heads: int) -> dict:
     head_width = width // num_heads
     h_pad, dh_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_width)
-    block_t = max(1, min(16, 4096 // (h_pad * dh_pad)))  # about 4k fp32 values per live tile
-    return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad, BLOCK_T=block_t)
+    return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad)
 
 
-def _num_warps(tile: dict) -> int:
-    return 4 if tile["BLOCK_T"] * tile["H_PAD"] * tile["DH_PAD"] <= 2048 else 8
+TUNED_FROM_TOKENS = 1024  # calls this large (training, prefill) use autotuned launch configs
+
+
+def _drop_oversized(configs, named_args, **kwargs):
+    """Keep configs that give each thread at most 64 fp32 values of a tile (more spill registers)."""
+    tile = kwargs["H_PAD"] * kwargs["DH_PAD"]
+    kept = [c for c in configs if c.kwargs["BLOCK_T"] * tile <= 64 * 32 * c.num_warps]
+    return kept or configs[-1:]
+
+
+def _quick_bench(fn, quantiles=None, **_):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _launchers(kernel) -> dict:
+    """{tuned?: launcher}. Token rows per program and warps: one fixed config for small calls
+    (decoding) and under the interpreter (where autotuning fails), autotuned otherwise."""
+    keys = ["D", "H", "HAS_NULL"]
+    if _interpreted():
+        fixed = triton.autotune([triton.Config({"BLOCK_T": 4}, num_warps=4)], key=keys)(kernel)
+        return {False: fixed, True: fixed}
+    tuned = triton.autotune(
+        [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in ((1, 1), (1, 2), (2, 2), (2, 4))],
+        key=keys, prune_configs_by={"early_config_prune": _drop_oversized}, do_bench=_quick_bench,
+    )(kernel)
+    return {False: triton.autotune([triton.Config({"BLOCK_T": 1}, num_warps=2)], key=keys)(kernel), True: tuned}
+
+
+route_fwd = _launchers(kernels.route_fwd_kernel)
+route_bwd = _launchers(kernels.route_bwd_kernel)
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None):
@@ -52,7 +79,10 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
 
 
 def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    if device.type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)  # a blocking copy would stall the stream
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -66,18 +96,19 @@ def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store
     out_dtype = rows[0].dtype if null_source is None else null_source.dtype
     out = _empty((tokens, width), dtype=out_dtype, device=rows[0].device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=rows[0].device) if store_lse else out
-    route_fwd_kernel[(triton.cdiv(tokens, tile["BLOCK_T"]),)](
+    route_fwd[tokens >= TUNED_FROM_TOKENS][lambda meta: (triton.cdiv(tokens, meta["BLOCK_T"]),)](
         _address_table(rows, rows[0].device), rows[0], query if null_source is None else null_source,
         query, key_norm_weight, out, lse, len(rows), tokens, eps,
-        HAS_NULL=null_source is not None, STORE_LSE=store_lse, num_warps=_num_warps(tile), **tile,
+        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **tile,
     )
     return out.view(sources[0].shape), lse
 
 
-def _backward_programs(num_blocks: int, device) -> int:
+def _backward_programs(tokens: int, device) -> int:
+    """A grid independent of the tuned block size, so the partial sums always have these many rows."""
     if device.type == "cuda":
-        return min(num_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(num_blocks, 2)  # the interpreter: still several blocks per program, as on a GPU
+        return min(tokens, 16 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(tokens, 2)  # the interpreter: several blocks per program, as on a GPU
 
 
 class FusedRoute(torch.autograd.Function):
@@ -95,16 +126,15 @@ class FusedRoute(torch.autograd.Function):
         tokens, width = rows[0].shape
         device = rows[0].device
         tile = _tile(width, ctx.num_heads)
-        num_blocks = triton.cdiv(tokens, tile["BLOCK_T"])
-        programs = _backward_programs(num_blocks, device)
+        programs = _backward_programs(tokens, device)
         grads = _empty((len(rows), tokens, width), dtype=rows[0].dtype, device=device)
         dkey = _empty((programs, width), dtype=torch.float32, device=device)
         dnull = _empty((programs, width), dtype=torch.float32, device=device) if null_source is not None else dkey
-        route_bwd_kernel[(programs,)](
+        route_bwd[tokens >= TUNED_FROM_TOKENS][(programs,)](
             _address_table(rows, device), _address_table(list(grads), device), rows[0],
             query if null_source is None else null_source, query, key_norm_weight, lse,
-            _rows(grad_out), dkey, dnull, len(rows), tokens, ctx.eps, num_blocks,
-            HAS_NULL=null_source is not None, num_warps=_num_warps(tile), **tile,
+            _rows(grad_out), dkey, dnull, len(rows), tokens, ctx.eps,
+            HAS_NULL=null_source is not None, **tile,
         )
         dkey = dkey.sum(0)  # fixed-order reduction of per-program partials: deterministic
         dquery = (dkey * key_norm_weight.float()).to(query.dtype)

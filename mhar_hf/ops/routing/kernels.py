@@ -2,7 +2,8 @@
 
 Layout: every program owns BLOCK_T token rows of width d, held as a `[BLOCK_T, H_PAD, DH_PAD]`
 tile (heads padded to powers of two and masked, so any H dividing d works, d/H = 160 too).
-Sources are read through a table of their addresses, so the caller never stacks them.
+Sources are read through a table of their addresses, so the caller never stacks them; the
+next source's tile is loaded before the current one is used, to keep two reads in flight.
 All statistics, logits, softmax and the mix run in fp32: every load is upcast at once (bf16
 arithmetic is wrong in the Triton interpreter, and `tl.exp` rejects bf16).
 
@@ -21,10 +22,12 @@ def _load_tile(ptr, offs, mask):
 
 
 @triton.jit
-def _load_source(table, n, elem_ptr, offs, mask):
-    """Source n of the address table, as an fp32 tile (elem_ptr only lends its element type)."""
-    base = tl.load(table + n).to(tl.pointer_type(elem_ptr.dtype.element_ty))
-    return _load_tile(base, offs, mask)
+def _load_source(table, n, num_sources, elem_ptr, offs, tok, T, col_mask):
+    """Source n of the address table as an fp32 tile (zeros once n runs past the table);
+    elem_ptr only lends its element type."""
+    address = tl.load(table + tl.minimum(n, num_sources - 1)).to(tl.pointer_type(elem_ptr.dtype.element_ty))
+    rows = T * (n < num_sources)  # no row is read past the table
+    return _load_tile(address, offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
 
 
 @triton.jit
@@ -32,6 +35,17 @@ def _rstd_and_head_dots(x, gq, eps, D: tl.constexpr):
     """rsqrt(mean over the full width of x^2 + eps) per token, and <x_h, (g*q)_h> per token and head."""
     rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + eps)
     return rstd, tl.sum(x * gq[None, :, :], 2)
+
+
+@triton.jit
+def _softmax_step(x, gq, eps, m, l, acc, D: tl.constexpr):
+    """Fold one source into the running (max, sum, mix) of the online softmax."""
+    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
+    logit = dots * rstd[:, None]
+    m_new = tl.maximum(m, logit)
+    scale = tl.exp(m - m_new)
+    p = tl.exp(logit - m_new)
+    return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * x
 
 
 @triton.jit
@@ -53,19 +67,14 @@ def route_fwd_kernel(
     m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)
-    for n in range(-1 if HAS_NULL else 0, num_sources):  # n = -1: the null source, shared by all tokens
-        if n < 0:
-            x = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
-        else:
-            x = _load_source(table, n, src0_ptr, offs, mask)
-        rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-        logit = dots * rstd[:, None]
-        m_new = tl.maximum(m, logit)
-        scale = tl.exp(m - m_new)
-        p = tl.exp(logit - m_new)
-        l = l * scale + p
-        acc = acc * scale[:, :, None] + p[:, :, None] * x
-        m = m_new
+    x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+    if HAS_NULL:  # the null source: one vector shared by every token
+        null = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
+        m, l, acc = _softmax_step(null, gq, eps, m, l, acc, D)
+    for n in range(0, num_sources):
+        x = x_next
+        x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
+        m, l, acc = _softmax_step(x, gq, eps, m, l, acc, D)
     tl.store(out_ptr + offs, (acc / l[:, :, None]).to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
         lse_offs = tok[:, None] * H + head[None, :]
@@ -73,9 +82,28 @@ def route_fwd_kernel(
 
 
 @triton.jit
+def _source_grad(x, dout, total, lse, gq, eps, D: tl.constexpr):
+    """d loss / d x for one source, and its term of sum dlogit * rstd * x (query / norm weight)."""
+    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
+    w = tl.exp(dots * rstd[:, None] - lse)
+    dlogit = w * (tl.sum(dout * x, 2) - total)
+    dlogit_rstd = dlogit * rstd[:, None]
+    norm_coef = rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1)
+    dx = w[:, :, None] * dout + dlogit_rstd[:, :, None] * gq[None, :, :] - norm_coef[:, None, None] * x
+    return dx, tl.sum(dlogit_rstd[:, :, None] * x, 0)
+
+
+@triton.jit
+def _weighted_dot(x, dout, lse, gq, eps, D: tl.constexpr):
+    """w_nh * <dout_h, x_nh>: one source's term of S_h."""
+    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
+    return tl.exp(dots * rstd[:, None] - lse) * tl.sum(dout * x, 2)
+
+
+@triton.jit
 def route_bwd_kernel(
     table, grad_table, src0_ptr, null_ptr, q_ptr, g_ptr, lse_ptr, dout_ptr, dkey_partial_ptr, dnull_partial_ptr,
-    num_sources, T, eps, num_blocks,
+    num_sources, T, eps,
     HAS_NULL: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -93,47 +121,41 @@ def route_bwd_kernel(
     col = head[:, None] * DH + tl.arange(0, DH_PAD)[None, :]
     col_mask = (head[:, None] < H) & (tl.arange(0, DH_PAD)[None, :] < DH)
     gq = _load_tile(g_ptr, col, col_mask) * _load_tile(q_ptr, col, col_mask)
-    null = _load_tile(null_ptr, col, col_mask) if HAS_NULL else tl.zeros([H_PAD, DH_PAD], tl.float32)
     dkey = tl.zeros([H_PAD, DH_PAD], tl.float32)
     dnull = tl.zeros([H_PAD, DH_PAD], tl.float32)
+    if HAS_NULL:
+        null = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
 
-    for block in range(pid, num_blocks, tl.num_programs(0)):
+    for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
         mask = (tok < T)[:, None, None] & col_mask[None, :, :]
+        x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
         dout = _load_tile(dout_ptr, offs, mask)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         lse = tl.load(lse_ptr + tok[:, None] * H + head[None, :],
                       mask=(tok < T)[:, None] & (head < H)[None, :], other=float("inf"))
 
         total = tl.zeros([BLOCK_T, H_PAD], tl.float32)  # S_h
-        for n in range(-1 if HAS_NULL else 0, num_sources):
-            if n < 0:
-                x = tl.broadcast_to(null[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
-            else:
-                x = _load_source(table, n, src0_ptr, offs, mask)
-            rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-            w = tl.exp(dots * rstd[:, None] - lse)
-            total += w * tl.sum(dout * x, 2)
+        if HAS_NULL:
+            total += _weighted_dot(null, dout, lse, gq, eps, D)
+        for n in range(0, num_sources):
+            x = x_next
+            x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
+            total += _weighted_dot(x, dout, lse, gq, eps, D)
 
-        for n in range(-1 if HAS_NULL else 0, num_sources):
-            if n < 0:
-                x = tl.broadcast_to(null[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
-            else:
-                x = _load_source(table, n, src0_ptr, offs, mask)
-            rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-            w = tl.exp(dots * rstd[:, None] - lse)
-            dlogit = w * (tl.sum(dout * x, 2) - total)
-            dlogit_rstd = dlogit * rstd[:, None]
-            norm_coef = rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1)
-            dx = (w[:, :, None] * dout + dlogit_rstd[:, :, None] * gq[None, :, :]
-                  - norm_coef[:, None, None] * x)
-            dkey += tl.sum(dlogit_rstd[:, :, None] * x, 0)
-            if n < 0:
-                dnull += tl.sum(tl.where(mask, dx, 0.0), 0)
-            else:
-                dsrc = tl.load(grad_table + n).to(tl.pointer_type(src0_ptr.dtype.element_ty))
-                tl.store(dsrc + offs, dx.to(src0_ptr.dtype.element_ty), mask=mask)
+        x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+        if HAS_NULL:
+            dx, dkey_part = _source_grad(null, dout, total, lse, gq, eps, D)
+            dnull += tl.sum(tl.where(mask, dx, 0.0), 0)
+            dkey += dkey_part
+        for n in range(0, num_sources):
+            x = x_next
+            x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
+            dx, dkey_part = _source_grad(x, dout, total, lse, gq, eps, D)
+            dkey += dkey_part
+            dsrc = tl.load(grad_table + n).to(tl.pointer_type(src0_ptr.dtype.element_ty))
+            tl.store(dsrc + offs, dx.to(src0_ptr.dtype.element_ty), mask=mask)
 
     tl.store(dkey_partial_ptr + pid * D + col, dkey, mask=col_mask)
     if HAS_NULL:

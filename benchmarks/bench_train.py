@@ -1,0 +1,285 @@
+"""Training throughput of MHAR against the plain Transformer, and the routing kernels against
+their byte floor, on one CUDA GPU (issue 3).
+
+    python benchmarks/bench_train.py                       # everything, ~8 min on an H200
+    python benchmarks/bench_train.py --presets 100M --paths fused
+
+Both sides share this harness: the same preset shapes (DESIGN.md section 5), bf16 weights,
+fused AdamW, SDPA attention and the same regional torch.compile (each decoder layer for the
+plain model; each layer's attention and MLP sublayers around the routing op for MHAR, whose
+layers take a different number of sources each). The baseline is the plain Transformer's
+fastest configuration. Writes `train_throughput.json` and `train_throughput.md` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
+from mhar_hf.ops.routing import fused_route
+from mhar_hf.ops.routing.fused import route_bwd, route_fwd
+
+MICRO_BATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
+VARIANTS = [  # (label, residual mode, heads)
+    ("full H=1", "full", 1),
+    ("full H=8", "full", 8),
+    ("block", "block", 8),
+    ("delta", "delta", 8),
+]
+PATHS = ("fused", "reference", "reference+compile")
+
+
+def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
+    config = MHARConfig.from_preset(
+        preset, residual_mode=mode, residual_heads=heads, routing_implementation=routing
+    )
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = MHARForCausalLM(config).to(torch.bfloat16)
+    return model.train()
+
+
+def compile_regions(model: MHARForCausalLM, whole_layers: bool) -> None:
+    """Compile each decoder layer (plain model: one graph serves every layer), or only each
+    layer's attention and MLP sublayers, leaving the routing reads to run eagerly between them."""
+    for layer in model.model.layers:
+        if whole_layers:
+            layer.compile()
+        else:
+            layer.attention_sublayer = torch.compile(layer.attention_sublayer)
+            layer.mlp_sublayer = torch.compile(layer.mlp_sublayer)
+
+
+def time_training(model, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / steps
+    return dict(
+        step_ms=round(seconds * 1e3, 2),
+        tokens_per_s=round(batch * seq / seconds),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+    )
+
+
+def record_routing_sites(model: MHARForCausalLM) -> list[int]:
+    """A list that the model's next forward fills with the number of sources (null source
+    included) each routing site reads; one-source reads return their source and are left out."""
+    counts = []
+
+    def hook(router, args):
+        n = len(args[0]) + router.gated
+        if n > 1 and len(counts) < router_count:
+            counts.append(n)
+
+    routers = [m for m in model.modules() if isinstance(m, MHARRouter)]
+    router_count = len(routers)
+    for router in routers:
+        router.register_forward_pre_hook(hook)
+    return counts
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a large device-to-device copy."""
+    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def time_routing(sites: list[int], gated: bool, tokens: int, width: int, heads: int, bandwidth: float) -> dict:
+    """Time one training step's routing reads (forward, and forward + backward) with the fused op,
+    against the floor: every source read once and the output written once (forward); in the
+    backward the sources and the output gradient read once and every source gradient written once."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    table_sources = max(sites) - gated
+    sources = [torch.randn(tokens, width, **bf16, requires_grad=True) for _ in range(table_sources)]
+    query = (torch.randn(width, **bf16) / width**0.5).requires_grad_()
+    norm_weight = torch.ones(width, **bf16, requires_grad=True)
+    null = torch.randn(width, **bf16, requires_grad=True) if gated else None
+    grad = torch.randn(tokens, width, **bf16)
+    params = [query, norm_weight] + ([null] if gated else [])
+
+    def forward():
+        return [fused_route(sources[: n - gated], query, norm_weight, heads, 1e-6, null) for n in sites]
+
+    def forward_backward():
+        outs = forward()
+        torch.autograd.grad(outs, sources + params, [grad] * len(outs))
+
+    unit = tokens * width * 2
+    floor_fwd = sum((n - gated + 1) * unit for n in sites) / bandwidth
+    floor_bwd = sum((2 * (n - gated) + 1) * unit for n in sites) / bandwidth
+    fwd_ms = triton.testing.do_bench(forward, return_mode="median")
+    fwd_bwd_ms = triton.testing.do_bench(forward_backward, return_mode="median")
+    return dict(
+        sites=len(sites),
+        fwd_ms=round(fwd_ms, 3),
+        fwd_floor_ms=round(floor_fwd * 1e3, 3),
+        fwd_pct_of_floor=round(100 * floor_fwd * 1e3 / fwd_ms, 1),
+        fwd_bwd_ms=round(fwd_bwd_ms, 3),
+        fwd_bwd_floor_ms=round((floor_fwd + floor_bwd) * 1e3, 3),
+        fwd_bwd_pct_of_floor=round(100 * (floor_fwd + floor_bwd) * 1e3 / fwd_bwd_ms, 1),
+    )
+
+
+def release():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def run(args) -> dict:
+    torch._dynamo.config.recompile_limit = 256  # reference+compile: one graph per source count
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    began = time.monotonic()
+    bandwidth = copy_bandwidth()
+    report = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(),
+        commit=args.commit,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        copy_bandwidth_tb_s=round(bandwidth / 1e12, 2),
+        warmup_steps=args.warmup,
+        timed_steps=args.steps,
+        training=[],
+        kernels=[],
+    )
+
+    def over_budget():
+        return time.monotonic() - began > args.budget_s
+
+    for preset in args.presets:
+        batch, seq = MICRO_BATCH[preset]
+        baseline = None
+        for compiled in (False, True):
+            record = dict(preset=preset, mode="standard", heads=None, path="compiled" if compiled else "eager")
+            model = build(preset, "standard", 8, "reference")
+            if compiled:
+                compile_regions(model, whole_layers=True)
+            record.update(time_training(model, batch, seq, args.warmup, args.steps))
+            del model
+            release()
+            report["training"].append(record)
+            print(record, flush=True)
+            if baseline is None or record["tokens_per_s"] > baseline["tokens_per_s"]:
+                baseline = record
+        for label, mode, heads in VARIANTS:
+            for path in args.paths:
+                record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path)
+                if over_budget():
+                    report["training"].append(dict(record, status="skipped: time budget"))
+                    continue
+                if path == "reference+compile" and (preset not in args.compile_reference or label != "full H=8"):
+                    report["training"].append(dict(record, status="not run: compile time (see --compile-reference)"))
+                    continue
+                model = build(preset, mode, heads, "fused" if path == "fused" else "reference")
+                sites = record_routing_sites(model)
+                if path != "reference":
+                    compile_regions(model, whole_layers=path == "reference+compile")
+                try:
+                    record.update(time_training(model, batch, seq, args.warmup, args.steps))
+                    record["ratio_vs_baseline"] = round(record["tokens_per_s"] / baseline["tokens_per_s"], 3)
+                    record["mem_ratio_vs_baseline"] = round(record["peak_mem_gib"] / baseline["peak_mem_gib"], 3)
+                except torch.OutOfMemoryError:
+                    record["status"] = "out of memory"
+                report["training"].append(record)
+                print(record, flush=True)
+                width = model.config.hidden_size
+                del model
+                release()
+                if path == "fused":
+                    kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
+                    report["kernels"].append(dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel))
+                    print(report["kernels"][-1], flush=True)
+    report["tuned_launch_configs"] = {
+        f"{name} {key}": str(config)
+        for name, launcher in (("forward", route_fwd[True]), ("backward", route_bwd[True]))
+        for key, config in launcher.cache.items()
+    }
+    report["elapsed_s"] = round(time.monotonic() - began)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Measured {report['date']} on {report['gpu']}, commit {report['commit']}, torch {report['torch']}, "
+        f"triton {report['triton']}; copy bandwidth {report['copy_bandwidth_tb_s']} TB/s; "
+        f"{report['timed_steps']} timed steps after {report['warmup_steps']} warm-up steps.",
+        "",
+        "| preset | model | path | tokens/s | x plain | peak GiB | mem x plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["training"]:
+        model = r.get("label", "plain")
+        if "tokens_per_s" not in r:
+            lines.append(f"| {r['preset']} | {model} | {r['path']} | {r.get('status')} | | | |")
+            continue
+        lines.append(
+            f"| {r['preset']} | {model} | {r['path']} | {r['tokens_per_s']:,} | {r.get('ratio_vs_baseline', '')} "
+            f"| {r['peak_mem_gib']} | {r.get('mem_ratio_vs_baseline', '')} |"
+        )
+    lines += [
+        "",
+        "Routing kernels, one training step's reads (fused op; backward includes autograd's "
+        "accumulation of source gradients):",
+        "",
+        "| preset | mode | H | sites | fwd ms | floor ms | % of floor | fwd+bwd ms | floor ms | % of floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in report["kernels"]:
+        lines.append(
+            f"| {k['preset']} | {k['mode']} | {k['heads']} | {k['sites']} | {k['fwd_ms']} | {k['fwd_floor_ms']} "
+            f"| {k['fwd_pct_of_floor']} | {k['fwd_bwd_ms']} | {k['fwd_bwd_floor_ms']} | {k['fwd_bwd_pct_of_floor']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=list(MICRO_BATCH), choices=list(MICRO_BATCH))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--compile-reference", nargs="*", default=["100M"],
+                        help="presets where full H=8 also runs with the reference op compiled (one graph per "
+                        "layer, since every layer reads a different number of sources: minutes to build)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=480, help="start no new configuration after this long")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train.py needs a CUDA GPU")
+    report = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_throughput.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "train_throughput.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
