@@ -246,6 +246,8 @@ def train(args) -> Path:
             record = {"step": state.step, "loss": last_loss, "z_loss": losses[1].item(), "lr": lr,
                       "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": window_tokens / elapsed,
                       **gate_magnitudes(gates)}
+            if torch.cuda.is_available():
+                record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if state.step % args.eval_every == 0 or last_step:
                 last_val = record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator)
             metrics.write(record)
