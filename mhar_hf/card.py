@@ -8,6 +8,8 @@ Inputs, each used when present:
                                            a local folder with a mhar_conversion.json (the usual
                                            convert -> train chain), that provenance is used too
   evaluation run folders                   `mhar eval` output (default: DIR/eval/*)
+  baseline run folders                     another model's runs on the same items: a paired
+                                           comparison (exact McNemar) with each
   DIR/probe/probe.json and DIR/probe/*.png the routing probe's numbers and pictures
 
 The YAML metadata (library_name, base_model, tags, model-index) is built here as data and
@@ -138,12 +140,35 @@ def _probe(model_dir: Path) -> dict | None:
     return {"images": images, "summary": summary} if images or summary else None
 
 
-def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str | None = None) -> str:
-    """The README.md text for the model in `model_dir`; `runs` default to DIR/eval/* run folders."""
+def _comparisons(runs: list, baselines: list) -> list[dict]:
+    """Each baseline run (another model, e.g. the source) paired with the runs it shares items with."""
+    from .compare import compare_runs
+
+    found = []
+    for baseline in baselines:
+        reasons, pairs = [], []
+        for run in runs:
+            try:
+                pairs += compare_runs(run, baseline)
+            except ValueError as error:
+                reasons.append(f"{run}: {error}")
+        if not pairs:
+            raise ValueError(f"baseline run {baseline} pairs with none of the model's runs (same tasks, same items "
+                             f"needed): " + "; ".join(reasons or ["no runs given"]))
+        model = json.loads((Path(baseline) / "results.json").read_text())["mhar"]["model"]
+        found.append({"baseline": Path(model).name, "run": str(baseline), "pairs": pairs})
+    return found
+
+
+def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str | None = None,
+               baselines: list | None = None) -> str:
+    """The README.md text for the model in `model_dir`; `runs` default to DIR/eval/* run folders.
+
+    `baselines` are runs of another model (the source, say) on the same items: the card then
+    shows the paired comparison (discordant counts, exact McNemar p) with each."""
     import jinja2
 
     from .commands.info import parameter_counts
-
     from .configuration_mhar import MHARConfig
 
     folder = Path(model_dir)
@@ -178,17 +203,17 @@ def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str
     body = environment.from_string(TEMPLATE.read_text()).render(
         marker=MARKER, name=name, repo_id=name, config=config, counts=counts,
         conversion=_table(conversion), training=_table(training), base_model=base_model,
-        runs=run_info, probe=_probe(folder),
+        runs=run_info, comparisons=_comparisons(runs, baselines or []), probe=_probe(folder),
     )
     front = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
     return f"---\n{front}---\n{body.lstrip()}"
 
 
 def write_card(model_dir: str | os.PathLike, runs: list | None = None, name: str | None = None,
-               overwrite: bool = False) -> Path:
+               baselines: list | None = None, overwrite: bool = False) -> Path:
     """Write DIR/README.md; refuse to replace a README that `mhar card` did not write."""
     folder = Path(model_dir)
-    text = build_card(folder, runs, name)
+    text = build_card(folder, runs, name, baselines)
     out = folder / "README.md"
     if out.exists() and MARKER not in out.read_text(errors="replace") and not overwrite:
         raise FileExistsError(f"{out} exists and was not written by `mhar card`: pass --overwrite to replace it")

@@ -2,6 +2,7 @@
 and probe pictures in the body, and the refusals."""
 
 import json
+from math import comb
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,16 @@ def save_tiny(path: Path, tokenizer, **overrides) -> Path:
     return path
 
 
-def write_run(folder: Path, model: Path, scores: dict[str, tuple[str, str, float, int]], limit=None) -> Path:
-    """A run folder's results.json as `mhar eval` writes it: task -> (metric, filter, value, n-shot)."""
+def write_run(folder: Path, model: Path, scores: dict[str, tuple[str, str, float, int]], limit=None,
+              outcomes: dict[str, list[bool]] | None = None) -> Path:
+    """A run folder as `mhar eval` writes it: task -> (metric, filter, value, n-shot), and, for
+    the tasks in `outcomes`, the per-item right/wrong lines."""
     folder.mkdir(parents=True)
+    for task, items in (outcomes or {}).items():
+        metric, filter_name = scores[task][:2]
+        lines = [{"doc_id": i, "doc_hash": f"h{i}", "filter": filter_name, metric: float(ok), "correct": ok}
+                 for i, ok in enumerate(items)]
+        (folder / f"samples_{task}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     results = {
         "results": {t: {f"{m},{f}": v, f"{m}_stderr,{f}": 0.01} for t, (m, f, v, _) in scores.items()},
         "configs": {t: {"dataset_path": "openai/gsm8k" if "gsm8k" in t else "Idavidrein/gpqa",
@@ -112,6 +120,30 @@ def test_minimal_folder_chain_and_limited_runs(tmp_path, tokenizer, converted):
     metadata, body = split_card(build_card(bare))
     assert "base_model" not in metadata and "model-index" not in metadata
     assert "## Conversion" not in body and "## Routing probe" not in body and "No evaluation runs" in body
+
+
+def test_paired_comparison_with_a_baseline(tmp_path, converted):
+    ours = [True, True, False, True, True, False, True, True, True, False, True, True]
+    theirs = [True, False, False, False, True, False, False, True, False, False, True, False]
+    scores = {"gsm8k": ("exact_match", "strict-match", sum(ours) / 12, 5)}
+    run = write_run(converted / "eval" / "full", converted, scores, outcomes={"gsm8k": ours})
+    source = tmp_path / "llama-source"
+    baseline = write_run(tmp_path / "source_run", source, {"gsm8k": scores["gsm8k"][:2] + (sum(theirs) / 12, 5)},
+                         outcomes={"gsm8k": theirs})
+    only_ours = sum(a and not b for a, b in zip(ours, theirs))
+    only_theirs = sum(b and not a for a, b in zip(ours, theirs))
+    n = only_ours + only_theirs
+    p = min(1.0, 2 * sum(comb(n, k) for k in range(min(only_ours, only_theirs) + 1)) / 2**n)
+    assert (only_ours, only_theirs) == (5, 0)
+    metadata, body = split_card(build_card(converted, runs=[run], baselines=[baseline]))
+    assert "## Paired comparison with llama-source" in body
+    assert (f"| gsm8k | exact_match (strict-match) | 12 | {sum(ours) / 12:.4f} | {sum(theirs) / 12:.4f} | "
+            f"{only_ours} | {only_theirs} | {p:.4g} |") in body
+    assert len(metadata["model-index"][0]["results"]) == 1  # the baseline's numbers are not this model's
+
+    other_items = write_run(tmp_path / "short_run", source, scores, outcomes={"gsm8k": theirs[:6]})
+    with pytest.raises(ValueError, match="pairs with none of the model's runs"):
+        build_card(converted, runs=[run], baselines=[other_items])
 
 
 def test_hub_id():
