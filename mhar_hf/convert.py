@@ -22,6 +22,7 @@ How it works, and why:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -421,12 +422,28 @@ def split_into_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[
 
 
 class _SourceReader:
-    """Serves source tensor bytes; keeps at most one pickled shard loaded."""
+    """Serves source tensors: raw byte ranges of safetensors files (kept open), or the tensors of
+    one pickled shard at a time."""
 
     def __init__(self):
+        self._files: dict[Path, int] = {}
         self._bin_path: Path | None = None
         self._bin_state: dict[str, torch.Tensor] = {}
-        self._buffer = bytearray(_COPY_BUFFER)
+        self._sendfile = hasattr(os, "sendfile")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        self._bin_state = {}
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._files:
+            self._files[path] = os.open(path, os.O_RDONLY)
+        return self._files[path]
 
     def tensor(self, source: SourceTensor) -> torch.Tensor:
         if source.offset is None:
@@ -435,33 +452,44 @@ class _SourceReader:
                 self._bin_state, self._bin_path = load_pickled_shard(source.file), source.file
             return self._bin_state[source.name]
         data = bytearray(source.nbytes)
-        with open(source.file, "rb", buffering=0) as f:
-            f.seek(source.offset)
-            _read_exactly(f, memoryview(data), source)
+        done = 0
+        while done < len(data):
+            n = os.preadv(self._fd(source.file), [memoryview(data)[done:]], source.offset + done)
+            if not n:
+                raise ValueError(f"{source.file} ended inside tensor {source.name!r}; the file is truncated")
+            done += n
         if not data:
             return torch.empty(source.shape, dtype=source.dtype)
         return torch.frombuffer(data, dtype=source.dtype).reshape(source.shape)
 
-    def copy_bytes(self, source: SourceTensor, out) -> None:
-        """Copy the tensor's raw bytes into `out` through a fixed buffer."""
-        view = memoryview(self._buffer)
-        with open(source.file, "rb", buffering=0) as f:
-            f.seek(source.offset)
-            remaining = source.nbytes
-            while remaining:
-                chunk = view[: min(remaining, len(view))]
-                _read_exactly(f, chunk, source)
-                out.write(chunk)
-                remaining -= len(chunk)
+    def copy_bytes(self, source: SourceTensor, out_fd: int) -> None:
+        """Append the tensor's raw bytes to `out_fd`: kernel-side with sendfile where the platform
+        allows it (as a plain file copy does), else through a buffer."""
+        fd, offset, remaining = self._fd(source.file), source.offset, source.nbytes
+        while remaining:
+            n = self._send(out_fd, fd, offset, remaining)
+            if not n:
+                raise ValueError(f"{source.file} ended inside tensor {source.name!r}; the file is truncated")
+            offset += n
+            remaining -= n
+
+    def _send(self, out_fd: int, fd: int, offset: int, count: int) -> int:
+        if self._sendfile:
+            try:
+                return os.sendfile(out_fd, fd, offset, count)
+            except OSError as error:
+                if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP):
+                    raise
+                self._sendfile = False  # e.g. macOS, which sends to sockets only
+        chunk = os.pread(fd, min(count, _COPY_BUFFER), offset)
+        _write_all(out_fd, chunk)
+        return len(chunk)
 
 
-def _read_exactly(f, view: memoryview, source: SourceTensor) -> None:
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise ValueError(f"{source.file} ended inside tensor {source.name!r}; the file is truncated")
-        done += n
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -477,20 +505,20 @@ def write_shard(path: Path, tensors: list[OutputTensor], reader: _SourceReader) 
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
+    with open(path, "wb", buffering=0) as out:
+        fd = out.fileno()
+        _write_all(fd, struct.pack("<Q", len(encoded)) + encoded)
         for t in tensors:
-            start = out.tell()
+            start = os.lseek(fd, 0, os.SEEK_CUR)
             if t.source is not None and t.source.offset is not None and t.source.dtype == t.dtype:
-                reader.copy_bytes(t.source, out)  # byte-identical, never materialised
+                reader.copy_bytes(t.source, fd)  # byte-identical, never materialised
             else:
                 value = t.value if t.value is not None else reader.tensor(t.source)
-                out.write(_tensor_bytes(value.to(t.dtype)))
-            if out.tell() - start != t.nbytes:
-                raise RuntimeError(f"wrote {out.tell() - start} bytes for {t.name}, expected {t.nbytes}")
-        out.flush()
-        os.fsync(out.fileno())
+                _write_all(fd, _tensor_bytes(value.to(t.dtype)))
+            written = os.lseek(fd, 0, os.SEEK_CUR) - start
+            if written != t.nbytes:
+                raise RuntimeError(f"wrote {written} bytes for {t.name}, expected {t.nbytes}")
+        os.fsync(fd)
 
 
 def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int, log: Callable[[str], None]) -> list[str]:
@@ -498,10 +526,10 @@ def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int, log:
     shards = split_into_shards(plan.tensors, max_shard_bytes)
     count = len(shards)
     names = [SAFE_SINGLE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    reader = _SourceReader()
-    for i, (name, group) in enumerate(zip(names, shards), 1):
-        write_shard(folder / name, group, reader)
-        log(f"  wrote {name} ({_human_size(sum(t.nbytes for t in group))}, {len(group)} tensors) [{i}/{count}]")
+    with _SourceReader() as reader:
+        for i, (name, group) in enumerate(zip(names, shards), 1):
+            write_shard(folder / name, group, reader)
+            log(f"  wrote {name} ({_human_size(sum(t.nbytes for t in group))}, {len(group)} tensors) [{i}/{count}]")
     if count > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in plan.tensors)},

@@ -372,3 +372,20 @@ def test_demo_steps(tmp_path):
     step_convert(ctx)
     assert (ctx.artifacts["converted_path"] / "tokenizer.json").is_file()
     assert "bit-equal" in step_verify_identity(ctx)
+
+
+def test_copy_without_sendfile(tmp_path, monkeypatch):
+    """Where sendfile only sends to sockets (macOS), the bytes go through a buffer, unchanged."""
+    import errno
+    import os
+
+    def socket_only(*args):
+        raise OSError(errno.ENOTSOCK, "not a socket")
+
+    monkeypatch.setattr(os, "sendfile", socket_only)
+    monkeypatch.setattr(convert_module, "_COPY_BUFFER", 1000)  # many chunks per tensor
+    src = save_source(tmp_path / "src", "Qwen2.5-7B")
+    dst = convert_checkpoint(src, tmp_path / "dst", heads=4, num_blocks=2, log=lambda s: None)
+    before, after = tensors_of(src), tensors_of(dst)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
