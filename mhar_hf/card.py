@@ -62,7 +62,9 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list):
-        return ", ".join(map(str, value)) if value and len(value) <= 8 else f"{len(value)} items"
+        if not value:
+            return "none"
+        return ", ".join(map(str, value)) if len(value) <= 8 else f"{len(value)} items"
     if isinstance(value, dict):
         text = json.dumps(value, separators=(", ", ": "))
         return text if len(text) <= 120 else f"{len(value)} fields"
@@ -70,7 +72,16 @@ def _cell(value) -> str:
 
 
 def _table(record: dict | None) -> dict[str, str] | None:
-    return {key: _cell(value) for key, value in record.items() if value is not None} if record else None
+    """Rows of a provenance table; a nested record gets one row per field (`lr_schedule.peak_lr`)."""
+    if not record:
+        return None
+    rows = {}
+    for key, value in record.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, item in items:
+            if item is not None:
+                rows[key if sub is None else f"{key}.{sub}"] = _cell(item)
+    return rows
 
 
 def _run_rows(run: Path, model_dir: Path) -> dict:

@@ -79,7 +79,8 @@ def step_card(ctx: DemoContext) -> str:
 
     from ..card import write_card
 
-    path = write_card(final_model(ctx), runs=ctx.artifacts["eval_runs"][:1], baselines=ctx.artifacts["eval_runs"][1:])
+    path = write_card(final_model(ctx), runs=ctx.artifacts["eval_runs"][:1], baselines=ctx.artifacts["eval_runs"][1:],
+                      name="mhar-demo")
     ctx.artifacts["card_path"] = path
     metadata = yaml.safe_load(path.read_text().split("---\n")[1])
     results = sum(len(entry["results"]) for entry in metadata.get("model-index", []))
