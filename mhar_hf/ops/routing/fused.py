@@ -44,7 +44,7 @@ def _launchers(kernel) -> dict:
     (decoding) and under the interpreter (where autotuning fails), autotuned otherwise."""
     keys = ["D", "H", "HAS_NULL"]
     if _interpreted():
-        fixed = triton.autotune([triton.Config({"BLOCK_T": 4}, num_warps=4)], key=keys)(kernel)
+        fixed = triton.autotune([triton.Config({"BLOCK_T": 16}, num_warps=4)], key=keys)(kernel)
         return {False: fixed, True: fixed}
     tuned = triton.autotune(
         [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in ((1, 1), (1, 2), (2, 2), (2, 4))],
