@@ -55,10 +55,11 @@ def train_args(model: Path, data: Path, output: Path, *extra: str) -> list[str]:
             "--report-to", "none", *extra]
 
 
-def launch_command(args: list[str], processes: int = 2) -> tuple[list[str], dict]:
+def launch_command(args: list[str], datasets_cache: Path, processes: int = 2) -> tuple[list[str], dict]:
     """`accelerate launch` of `-m mhar_hf.train` with training/configs/cpu_smoke.yaml: gloo/DDP
     workers on the CPU."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+           "HF_DATASETS_CACHE": str(datasets_cache)}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_SMOKE_CONFIG),
                "--num_processes", str(processes), "--main_process_port", str(free_port())]
     return [*command, "-m", "mhar_hf.train", *args], env
@@ -70,8 +71,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_launch(args: list[str], processes: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    command, env = launch_command(args, processes)
+def run_launch(args: list[str], datasets_cache: Path, processes: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    command, env = launch_command(args, datasets_cache, processes)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
