@@ -148,7 +148,6 @@ def train(args) -> Path:
     """Run mid-training as `args` says (see `args.py`); returns the final model folder."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-    from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import mhar_hf  # noqa: F401  registers the MHAR Auto classes
@@ -165,18 +164,15 @@ def train(args) -> Path:
     )
     if args.lora_rank and accelerator.distributed_type == DistributedType.FSDP:
         raise ValueError("--lora-rank runs with DDP or on one device, not with FSDP: a LoRA model's frozen backbone fits one GPU")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    main = accelerator.is_main_process
     set_seed(args.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    config = AutoConfig.from_pretrained(args.model)
-    check_model_and_tokenizer(config, tokenizer, args.seq_length)
+    check_model_and_tokenizer(AutoConfig.from_pretrained(args.model), tokenizer, args.seq_length)
     with accelerator.main_process_first():
         corpus = build_corpus(
             args.data, tokenizer, args.seq_length, args.val_sequences, args.seed, text_field=args.text_field,
             streaming=args.streaming, shuffle_buffer=args.shuffle_buffer, split=args.data_split,
-            name=args.data_name, min_train_sequences=world * args.batch_size,
+            name=args.data_name, min_train_sequences=accelerator.num_processes * args.batch_size,
         )
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
@@ -194,25 +190,40 @@ def train(args) -> Path:
     accelerator.register_for_checkpointing(scheduler, state)
     ema = WeightEMA(model, args.ema_decay) if args.ema_decay else None
 
-    resumed_from = None
     if args.resume:
-        if main:
+        if accelerator.is_main_process:
             remove_partial_checkpoints(output)
         accelerator.wait_for_everyone()
         resumed_from = latest_checkpoint(output)
         if resumed_from is not None:
             load_checkpoint(accelerator, resumed_from, ema)
             accelerator.print(f"resumed from {resumed_from} at step {state.step}")
-    metrics = MetricsLog(output / "metrics.jsonl", state.step if args.resume else None, main)
+        if state.step >= args.max_steps and (output / "model").is_dir():
+            accelerator.print(f"{output} already holds the finished run ({state.step} steps); nothing to do")
+            return output / "model"
     if args.report_to == "tensorboard":
         accelerator.init_trackers("mhar-train", config=_tracker_config(args))
 
-    tokens_per_step = world * args.batch_size * args.grad_accum * args.seq_length
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    last = run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state, output)
+    final = save_final_model(accelerator, model, tokenizer, ema, output, args, training_metadata(args, accelerator, state, last))
+    accelerator.end_training()
+    return final
+
+
+def run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state: TrainerState, output: Path) -> dict:
+    """Optimizer steps from `state.step` to `--max-steps`, logging and checkpointing on the way;
+    returns the last logged record."""
+    from tqdm.auto import tqdm
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    sequences_per_step = world * args.batch_size * args.grad_accum
+    metrics = MetricsLog(output / "metrics.jsonl", state.step if args.resume else None, accelerator.is_main_process)
+    parameters = list(model.parameters())  # all of them: accelerate's FSDP2 clipping path expects exactly these
     gates = gate_tensors(model)
     batches = corpus.micro_batches(state.position, args.batch_size, rank, world)
-    progress = tqdm(total=args.max_steps, initial=state.step, disable=not main, desc="train", unit="step", dynamic_ncols=True)
-    last_loss = last_val = None
+    progress = tqdm(total=args.max_steps, initial=state.step, disable=not accelerator.is_main_process,
+                    desc="train", unit="step", dynamic_ncols=True)
+    last: dict = {}
     window_start, window_tokens = time.perf_counter(), 0
     model.train()
     while state.step < args.max_steps:
@@ -226,7 +237,8 @@ def train(args) -> Path:
                 accelerator.backward((cross_entropy + args.z_loss * z_loss) / args.grad_accum)
             loss_sum += cross_entropy.detach()
             z_sum += z_loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(trainable, args.clip if args.clip > 0 else float("inf"))
+        grad_norm = accelerator.clip_grad_norm_(parameters, args.clip if args.clip > 0 else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -234,48 +246,51 @@ def train(args) -> Path:
         if ema is not None:
             ema.update()
         state.step += 1
-        state.position += world * args.batch_size * args.grad_accum
-        state.tokens += tokens_per_step
-        window_tokens += tokens_per_step
+        state.position += sequences_per_step
+        state.tokens += sequences_per_step * args.seq_length
+        window_tokens += sequences_per_step * args.seq_length
 
         last_step = state.step == args.max_steps
         if state.step % args.log_every == 0 or last_step:
             losses = accelerator.reduce(torch.stack([loss_sum, z_sum]) / args.grad_accum, reduction="mean")
-            elapsed = time.perf_counter() - window_start
-            last_loss = losses[0].item()
-            record = {"step": state.step, "loss": last_loss, "z_loss": losses[1].item(), "lr": lr,
-                      "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": window_tokens / elapsed,
-                      **gate_magnitudes(gates)}
+            record = {"step": state.step, "loss": losses[0].item(), "z_loss": losses[1].item(), "lr": lr,
+                      "grad_norm": float(grad_norm), "tokens": state.tokens,
+                      "tokens_per_s": window_tokens / (time.perf_counter() - window_start), **gate_magnitudes(gates)}
             if torch.cuda.is_available():
                 record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if state.step % args.eval_every == 0 or last_step:
-                last_val = record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator)
+                record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator)
             metrics.write(record)
             accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=state.step)
-            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            last = {**last, **record}
             window_start, window_tokens = time.perf_counter(), 0
         progress.update(1)
         if state.step % args.save_every == 0 or last_step:
             save_checkpoint(accelerator, output, state, ema, keep=args.keep_last)
     progress.close()
+    return last
 
-    metadata = {
+
+def training_metadata(args, accelerator, state: TrainerState, last: dict) -> dict:
+    """What `mhar_training.json` records about the run."""
+    import mhar_hf
+
+    return {
         "source_model": str(args.model), "steps": state.step, "tokens": state.tokens,
         "data": [str(d) for d in args.data], "seq_length": args.seq_length,
-        "global_batch_sequences": world * args.batch_size * args.grad_accum, "processes": world,
+        "global_batch_sequences": accelerator.num_processes * args.batch_size * args.grad_accum,
+        "processes": accelerator.num_processes,
         "lr_schedule": {"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
                         "warmup_steps": args.warmup_steps, "decay_fraction": args.decay_fraction,
                         "routing_lr_multiplier": args.routing_lr_multiplier},
         "weight_decay": args.weight_decay, "z_loss": args.z_loss, "ema_decay": args.ema_decay or None,
         "trainable": "routing" if args.train_only_routing else (f"lora-r{args.lora_rank}" if args.lora_rank else "all"),
         "lora_merged": bool(args.merge_lora) if args.lora_rank else None,
-        "final_train_loss": last_loss, "final_val_loss": last_val,
+        "final_train_loss": last.get("loss"), "final_val_loss": last.get("val_loss"),
         "mixed_precision": accelerator.mixed_precision, "mhar_hf_version": mhar_hf.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    final = save_final_model(accelerator, model, tokenizer, ema, output, args, metadata)
-    accelerator.end_training()
-    return final
 
 
 def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: dict) -> Path:
