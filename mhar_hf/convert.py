@@ -574,7 +574,8 @@ def resolve_source(src: str | os.PathLike) -> Path:
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    if dst == src or src in dst.parents or dst in src.parents:
+    src, real_dst = src.resolve(), dst.resolve()
+    if real_dst == src or src in real_dst.parents or real_dst in src.parents:
         raise ValueError(f"DST {dst} overlaps SRC {src}; write the converted model somewhere else")
     if dst.exists():
         if not dst.is_dir():
