@@ -32,9 +32,9 @@ def _fresh_accelerate(monkeypatch, tmp_path_factory):
     PartialState._reset_state()
 
 
-def run(setup, name, *extra, steps=4):
+def run(setup, name, *extra, steps=4, output=None):
     root, model, data = setup
-    output = root / name
+    output = output or root / name
     assert cli(["train", *train_args(model, data, output, "--max-steps", str(steps), "--save-every", "2", *extra)]) == 0
     return output
 
@@ -44,8 +44,14 @@ def weights(folder):
 
 
 def test_z_loss_changes_the_update_not_the_first_forward(setup):
-    plain, with_z = run(setup, "plain"), run(setup, "zloss", "--z-loss", "0.05")
+    plain, with_z = run(setup, "plain", "--report-to", "tensorboard"), run(setup, "zloss", "--z-loss", "0.05")
     a, b = read_metrics(plain), read_metrics(with_z)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((plain / "logs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in a])
+    assert {"lr", "grad_norm", "tokens_per_s", "gate_abs_mean", "val_loss"} <= set(events.Tags()["scalars"])
     assert a[0]["loss"] == b[0]["loss"] and a[0]["z_loss"] == b[0]["z_loss"] > 0
     assert a[1]["loss"] != b[1]["loss"]
     assert json.loads((with_z / "model" / "mhar_training.json").read_text())["z_loss"] == 0.05
@@ -62,6 +68,18 @@ def test_ema_model_is_the_average_not_the_last_weights(setup):
         assert torch.equal(saved[name], average), name
     assert any(not torch.equal(saved[n], raw[n]) for n in averages)
     assert json.loads((output / "model" / "mhar_training.json").read_text())["ema_decay"] == 0.5
+
+
+def test_streaming_run_resumes_in_one_process_with_the_same_losses(setup):
+    whole = run(setup, "stream", "--streaming", "--shuffle-buffer", "8")
+    killed = setup[0] / "stream-killed"  # what a kill after step 3 leaves: checkpoint 2, three logged steps
+    shutil.copytree(whole / "checkpoints" / "step-00000002", killed / "checkpoints" / "step-00000002")
+    (killed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in read_metrics(whole)[:3]))
+    (killed / "checkpoints" / ".tmp-step-00000004").mkdir()  # a checkpoint cut short
+    run(setup, None, "--streaming", "--shuffle-buffer", "8", "--resume", output=killed)
+    assert [m["loss"] for m in read_metrics(killed)] == [m["loss"] for m in read_metrics(whole)]
+    assert weights(killed / "model").keys() == weights(whole / "model").keys()
+    assert all(torch.equal(a, weights(whole / "model")[n]) for n, a in weights(killed / "model").items())
 
 
 def test_train_only_routing_leaves_the_backbone_untouched(setup):
