@@ -42,15 +42,18 @@ def write_synthetic_corpus(path: Path, tokens: int, seed: int = 0) -> None:
             written += int(len(doc.split()) * 1.6)
 
 
-def launch(config: str, args: list[str], log: Path) -> float:
+def launch(config: str, args: list[str], log: Path, env: dict | None = None, check: bool = True) -> float | None:
+    """Wall seconds of one `accelerate launch` (None when it failed and `check` is off)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
                "--num_processes", "1", "-m", "mhar_hf.train", *args]
     started = time.perf_counter()
     with log.open("w") as handle:
-        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
+        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     if result.returncode:
         print(log.read_text()[-5000:])
-        raise SystemExit(f"{' '.join(command)} failed with {result.returncode}")
+        if check:
+            raise SystemExit(f"{' '.join(command)} failed with {result.returncode}")
+        return None
     return time.perf_counter() - started
 
 
@@ -69,7 +72,8 @@ def fsdp_check(work: Path, tokenizer, corpus: Path, out: Path) -> dict:
     tokenizer.save_pretrained(model)
     common = ["--model", str(model), "--data", str(corpus), "--seq-length", "256", "--batch-size", "4",
               "--max-steps", "8", "--save-every", "4", "--eval-every", "4", "--val-sequences", "8", "--lr", "3e-3",
-              "--warmup-steps", "2", "--gradient-checkpointing", "--report-to", "none"]
+              "--warmup-steps", "2", "--gradient-checkpointing", "--ema-decay", "0.9", "--z-loss", "1e-4",
+              "--report-to", "none"]
     whole = work / "fsdp-whole"
     launch("fsdp2_multi_gpu.yaml", [*common, "--output", str(whole)], out / "fsdp_whole.log")
     resumed = work / "fsdp-resumed"  # the state a kill after step 5 would leave
@@ -78,7 +82,10 @@ def fsdp_check(work: Path, tokenizer, corpus: Path, out: Path) -> dict:
     launch("fsdp2_multi_gpu.yaml", [*common, "--output", str(resumed), "--resume"], out / "fsdp_resumed.log")
     a, b = metrics(whole), metrics(resumed)
     reloaded = MHARForCausalLM.from_pretrained(resumed / "model")
+    meta = json.loads((resumed / "model" / "mhar_training.json").read_text())
     return {
+        "distributed_type": meta["distributed_type"],
+        "checkpoint_files": sorted(p.name for p in (whole / "checkpoints" / "step-00000008").iterdir()),
         "losses": [m["loss"] for m in a],
         "resumed_losses": [m["loss"] for m in b],
         "max_abs_loss_diff_after_resume": max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)),
@@ -97,17 +104,22 @@ def throughput(work: Path, corpus: Path, tokenizer, out: Path, args) -> dict:
         network = MHARForCausalLM(MHARConfig.from_preset("100M", residual_mode=mode))
         network.save_pretrained(model)
         tokenizer.save_pretrained(model)
-        output = work / f"run-{mode}"
-        wall = launch("single_gpu.yaml", [
-            "--model", str(model), "--data", str(corpus), "--output", str(output),
-            "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
-            "--max-steps", str(args.steps), "--warmup-steps", str(min(5, args.steps - 1)), "--lr", "4e-4", "--z-loss", "1e-4",
-            "--save-every", "100000", "--eval-every", "100000", "--val-sequences", "4", "--report-to", "none",
-        ], out / f"throughput_{mode}.log")
+        for attempt in ("auto", "reference"):  # the fused kernels by default; the reference op if they fail
+            output = work / f"run-{mode}-{attempt}"
+            wall = launch("single_gpu.yaml", [
+                "--model", str(model), "--data", str(corpus), "--output", str(output),
+                "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
+                "--max-steps", str(args.steps), "--warmup-steps", str(min(5, args.steps - 1)), "--lr", "4e-4",
+                "--z-loss", "1e-4", "--save-every", "100000", "--eval-every", "100000", "--val-sequences", "4",
+                "--report-to", "none",
+            ], out / f"throughput_{mode}_{attempt}.log", env={"MHAR_ROUTING": attempt}, check=attempt == "reference")
+            if wall is not None:
+                routing = attempt
+                break
         log = metrics(output)
         steady = [m["tokens_per_s"] for m in log[args.warmup :]]
         results[mode] = {
-            "parameters": network.num_parameters(),
+            "parameters": network.num_parameters(), "routing_implementation": routing if mode == "delta" else None,
             "tokens_per_s_median": statistics.median(steady),
             "peak_memory_gib": log[-1].get("peak_memory_gib", float("nan")),  # logged on CUDA only
             "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"],

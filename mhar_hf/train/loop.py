@@ -280,7 +280,7 @@ def training_metadata(args, accelerator, state: TrainerState, last: dict) -> dic
         "source_model": str(args.model), "steps": state.step, "tokens": state.tokens,
         "data": [str(d) for d in args.data], "seq_length": args.seq_length,
         "global_batch_sequences": accelerator.num_processes * args.batch_size * args.grad_accum,
-        "processes": accelerator.num_processes,
+        "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type.value),
         "lr_schedule": {"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
                         "warmup_steps": args.warmup_steps, "decay_fraction": args.decay_fraction,
                         "routing_lr_multiplier": args.routing_lr_multiplier},
