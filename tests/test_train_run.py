@@ -22,11 +22,14 @@ def setup(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_accelerate(monkeypatch, tmp_path_factory):
+def _datasets_cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "datasets-cache"))
+
+
+def reset_accelerate():
+    """Each run in this process starts from a fresh accelerate state (as a new process would)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "datasets-cache"))
-    yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -35,6 +38,7 @@ def _fresh_accelerate(monkeypatch, tmp_path_factory):
 def run(setup, name, *extra, steps=4, output=None):
     root, model, data = setup
     output = output or root / name
+    reset_accelerate()
     assert cli(["train", *train_args(model, data, output, "--max-steps", str(steps), "--save-every", "2", *extra)]) == 0
     return output
 
@@ -43,8 +47,14 @@ def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_z_loss_changes_the_update_not_the_first_forward(setup):
-    plain, with_z = run(setup, "plain", "--report-to", "tensorboard"), run(setup, "zloss", "--z-loss", "0.05")
+@pytest.fixture(scope="module")
+def plain(setup):
+    """A run with the default options (and TensorBoard on): the reference of the option tests."""
+    return run(setup, "plain", "--report-to", "tensorboard")
+
+
+def test_z_loss_changes_the_update_not_the_first_forward(setup, plain):
+    with_z = run(setup, "zloss", "--z-loss", "0.05")
     a, b = read_metrics(plain), read_metrics(with_z)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -55,6 +65,15 @@ def test_z_loss_changes_the_update_not_the_first_forward(setup):
     assert a[0]["loss"] == b[0]["loss"] and a[0]["z_loss"] == b[0]["z_loss"] > 0
     assert a[1]["loss"] != b[1]["loss"]
     assert json.loads((with_z / "model" / "mhar_training.json").read_text())["z_loss"] == 0.05
+
+
+def test_activation_checkpointing_and_bf16_paths(setup, plain):
+    plain = read_metrics(plain)
+    recomputed = read_metrics(run(setup, "checkpointed", "--gradient-checkpointing"))
+    assert [m["loss"] for m in recomputed] == pytest.approx([m["loss"] for m in plain], rel=1e-6)
+    bf16 = read_metrics(run(setup, "bf16", "--mixed-precision", "bf16"))
+    assert [m["loss"] for m in bf16] == pytest.approx([m["loss"] for m in plain], rel=2e-2)
+    assert [m["loss"] for m in bf16] != [m["loss"] for m in plain]  # autocast really ran in bf16
 
 
 def test_ema_model_is_the_average_not_the_last_weights(setup):
@@ -118,6 +137,7 @@ def expect_error(capsys, setup, name, *extra, match, model=None, data=None):
     root, default_model, default_data = setup
     output = root / name
     args = train_args(model or default_model, data or default_data, output, "--max-steps", "3", *extra)
+    reset_accelerate()
     assert cli(["train", *args]) == 2
     message = capsys.readouterr().err
     assert match in message, message

@@ -178,7 +178,7 @@ def train(args) -> Path:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
     model.config.use_cache = False
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = configure_trainable(model, args)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.routing_lr_multiplier,
                                 tuple(args.adam_betas), args.adam_eps)
