@@ -152,6 +152,48 @@ def release():
     torch._dynamo.reset()
 
 
+def measure_baselines(preset: str, args) -> list[dict]:
+    """The plain Transformer, eager and with each decoder layer compiled."""
+    batch, seq = MICRO_BATCH[preset]
+    records = []
+    for compiled in (False, True):
+        model = build(preset, "standard", 8, "reference")
+        if compiled:
+            compile_regions(model, whole_layers=True)
+        record = dict(preset=preset, mode="standard", heads=None, path="compiled" if compiled else "eager")
+        records.append(dict(record, **time_training(model, batch, seq, args.warmup, args.steps)))
+        del model
+        release()
+        print(records[-1], flush=True)
+    return records
+
+
+def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict | None:
+    """Fill `record` (preset, mode, heads, path) with the training figures; for the fused path
+    also return the routing kernel figures of the same model's reads."""
+    preset, mode, heads, path = record["preset"], record["mode"], record["heads"], record["path"]
+    batch, seq = MICRO_BATCH[preset]
+    model = build(preset, mode, heads, "fused" if path == "fused" else "reference")
+    sites = record_routing_sites(model)
+    if path != "reference":
+        compile_regions(model, whole_layers=path == "reference+compile")
+    try:
+        record.update(time_training(model, batch, seq, args.warmup, args.steps))
+        record["ratio_vs_baseline"] = round(record["tokens_per_s"] / baseline["tokens_per_s"], 3)
+        record["mem_ratio_vs_baseline"] = round(record["peak_mem_gib"] / baseline["peak_mem_gib"], 3)
+    except torch.OutOfMemoryError:
+        record["status"] = "out of memory"
+    print(record, flush=True)
+    width = model.config.hidden_size
+    del model
+    release()
+    if path != "fused":
+        return None
+    kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
+    print(kernel, flush=True)
+    return dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel)
+
+
 def run(args) -> dict:
     torch._dynamo.config.recompile_limit = 256  # reference+compile: one graph per source count
     torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -169,57 +211,26 @@ def run(args) -> dict:
         training=[],
         kernels=[],
     )
-
-    def over_budget():
-        return time.monotonic() - began > args.budget_s
-
-    # fused runs first for every preset (they are what the targets are about), references after
     baselines = {}
-    for paths in (["fused"], ["reference", "reference+compile"]):
+    # the fused path runs first for every preset (the targets are about it), the references after
+    for paths in (("fused",), ("reference", "reference+compile")):
         for preset in args.presets:
-            batch, seq = MICRO_BATCH[preset]
             if preset not in baselines:
-                for compiled in (False, True):
-                    record = dict(preset=preset, mode="standard", heads=None, path="compiled" if compiled else "eager")
-                    model = build(preset, "standard", 8, "reference")
-                    if compiled:
-                        compile_regions(model, whole_layers=True)
-                    record.update(time_training(model, batch, seq, args.warmup, args.steps))
-                    del model
-                    release()
-                    report["training"].append(record)
-                    print(record, flush=True)
-                    if preset not in baselines or record["tokens_per_s"] > baselines[preset]["tokens_per_s"]:
-                        baselines[preset] = record
-            baseline = baselines[preset]
+                records = measure_baselines(preset, args)
+                report["training"] += records
+                baselines[preset] = max(records, key=lambda r: r["tokens_per_s"])
             for label, mode, heads in VARIANTS:
                 for path in (p for p in paths if p in args.paths):
                     record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path)
-                    if over_budget():
-                        report["training"].append(dict(record, status="skipped: time budget"))
-                        continue
-                    if path == "reference+compile" and (preset not in args.compile_reference or label != "full H=8"):
-                        report["training"].append(dict(record, status="not run: compile time (see --compile-reference)"))
-                        continue
-                    model = build(preset, mode, heads, "fused" if path == "fused" else "reference")
-                    sites = record_routing_sites(model)
-                    if path != "reference":
-                        compile_regions(model, whole_layers=path == "reference+compile")
-                    try:
-                        record.update(time_training(model, batch, seq, args.warmup, args.steps))
-                        record["ratio_vs_baseline"] = round(record["tokens_per_s"] / baseline["tokens_per_s"], 3)
-                        record["mem_ratio_vs_baseline"] = round(record["peak_mem_gib"] / baseline["peak_mem_gib"], 3)
-                    except torch.OutOfMemoryError:
-                        record["status"] = "out of memory"
                     report["training"].append(record)
-                    print(record, flush=True)
-                    width = model.config.hidden_size
-                    del model
-                    release()
-                    if path == "fused":
-                        kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
-                        report["kernels"].append(dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel))
-                        print(report["kernels"][-1], flush=True)
+                    if time.monotonic() - began > args.budget_s:
+                        record["status"] = "skipped: time budget"
+                    elif path == "reference+compile" and (preset not in args.compile_reference or label != "full H=8"):
+                        record["status"] = "not run: compile time (see --compile-reference)"
+                    else:
+                        kernel = measure_mhar(record, baselines[preset], args, bandwidth)
+                        if kernel is not None:
+                            report["kernels"].append(kernel)
     report["tuned_launch_configs"] = {
         f"{name} {key}": str(config)
         for name, launcher in (("forward", route_fwd[True]), ("backward", route_bwd[True]))
