@@ -128,3 +128,5 @@ def test_bad_data_fails_clearly(tmp_path, tokenizer):
     (tmp_path / "other.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     with pytest.raises(ValueError, match="no 'text': pass --text-field"):
         build_corpus([str(tmp_path / "other.jsonl")], tokenizer, SEQ, 4, 0)
+    with pytest.raises(ValueError, match="pass --text-field"):
+        build_corpus([str(tmp_path / "other.jsonl")], tokenizer, SEQ, 4, 0, streaming=True)

@@ -181,7 +181,10 @@ def build_corpus(specs: Sequence[str], tokenizer, seq_length: int, val_sequences
     packed = tokenize_and_pack(documents, tokenizer, seq_length)
     needed = val_sequences + min_train_sequences
     if streaming:
-        head = [torch.tensor(row["input_ids"]) for row in itertools.islice(packed, needed)]
+        try:
+            head = [torch.tensor(row["input_ids"]) for row in itertools.islice(packed, needed)]
+        except KeyError as error:  # a stream's columns are only known once it is read
+            raise ValueError(f"--data {', '.join(specs)}: no column {error} in the stream: pass --text-field") from None
         _check_enough(len(head), needed, seq_length, val_sequences, min_train_sequences)
         val = torch.stack(head[:val_sequences]) if val_sequences else torch.empty(0, seq_length, dtype=torch.long)
         return PackedCorpus(train=packed.skip(val_sequences), val=val, seed=seed, shuffle_buffer=shuffle_buffer)
