@@ -99,6 +99,21 @@ def test_tuned_launch_at_training_size(heads):
         assert rel_rms(grad, expected) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(GPU, reason="the GPU run covers 16-bit sources in every shape above")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_sources_under_the_interpreter(dtype):
+    """Loads and stores of 16-bit types are exact in the interpreter; the math runs in fp32."""
+    sources, query, norm_weight, null_source = routing_inputs(3, 320, 9, dtype=dtype, null=True)
+    grad_out = torch.randn(1, 9, 320)
+    out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, 2, grad_out)
+    ref, ref_grads = forward_and_grads(
+        route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), 2, grad_out
+    )
+    assert out.dtype == dtype and rel_rms(out, ref) < TOLERANCE[dtype]
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == dtype and rel_rms(grad, expected) < TOLERANCE[dtype]
+
+
 def test_single_source_is_returned_unchanged():
     (source,), query, norm_weight, _ = routing_inputs(1, 32, 5)
     assert fused_route([source], query, norm_weight, 4, EPS) is source
