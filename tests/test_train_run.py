@@ -171,6 +171,11 @@ def test_bad_input_fails_before_training(setup, capsys, tmp_path):
     assert cli(["train", *train_args(model, data, blocker, "--max-steps", "3")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
 
+    from mhar_hf.train.__main__ import main as module_main  # `accelerate launch -m mhar_hf.train`
+
+    assert module_main(train_args(model, root / "missing.jsonl", root / "bad7", "--max-steps", "3")) == 2
+    assert "mhar train: error: --data" in capsys.readouterr().err
+
     done = run(setup, "done", steps=3)
     assert cli(["train", *train_args(model, data, done, "--max-steps", "3")]) == 2
     assert "holds a previous run: pass --resume" in capsys.readouterr().err
