@@ -63,16 +63,15 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     if not sources:
         return None
     first = sources[0]
+    shape, dtype, device = first.shape, first.dtype, first.device
     if not (first.is_cuda or _interpreted()):
-        return f"fused routing runs on CUDA tensors (or under TRITON_INTERPRET=1), got device {first.device}"
-    if any(s.dtype != first.dtype for s in sources) or first.dtype not in SOURCE_DTYPES:
-        return f"fused routing needs all sources in one of {SOURCE_DTYPES}, got {sorted({str(s.dtype) for s in sources})}"
-    if any(s.shape != first.shape or s.device != first.device for s in sources):
-        return "fused routing needs all sources of one shape on one device"
-    width = first.shape[-1]
+        return f"fused routing runs on CUDA tensors (or under TRITON_INTERPRET=1), got device {device}"
+    if dtype not in SOURCE_DTYPES or any(s.dtype != dtype or s.shape != shape or s.device != device for s in sources):
+        return f"fused routing needs all sources of one shape, device and dtype out of {SOURCE_DTYPES}"
+    width = shape[-1]
     tensors = (query,) if null_source is None else (query, null_source)
-    if any(t.numel() != width or t.device != first.device for t in tensors) or width % num_heads:
-        return f"fused routing needs [{width}] routing vectors on {first.device} and heads dividing {width}"
+    if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
+        return f"fused routing needs [{width}] routing vectors on {device} and heads dividing {width}"
     tile = _tile(width, num_heads)
     if tile["H_PAD"] * tile["DH_PAD"] > MAX_TILE:
         return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
@@ -102,23 +101,24 @@ def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return table
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+def _contiguous(tensors) -> list[torch.Tensor]:
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
 def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse):
-    rows = [_rows(s) for s in sources]
-    tokens, width = rows[0].shape
+    sources = _contiguous(sources)
+    first = sources[0]
+    width = first.shape[-1]
+    tokens = first.numel() // width
     tile = _tile(width, num_heads)
-    out_dtype = rows[0].dtype if null_source is None else null_source.dtype
-    out = _empty((tokens, width), dtype=out_dtype, device=rows[0].device)
-    lse = _empty((tokens, num_heads), dtype=torch.float32, device=rows[0].device) if store_lse else out
+    out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
+    lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     route_fwd[tokens >= TUNED_FROM_TOKENS][lambda meta: (triton.cdiv(tokens, meta["BLOCK_T"]),)](
-        _address_table(rows, rows[0].device), rows[0], query if null_source is None else null_source,
-        query, key_norm_weight, out, lse, len(rows), tokens, eps,
+        _address_table(sources, first.device), first, query if null_source is None else null_source,
+        query, key_norm_weight, out, lse, len(sources), tokens, eps,
         HAS_NULL=null_source is not None, STORE_LSE=store_lse, **tile,
     )
-    return out.view(sources[0].shape), lse
+    return out, lse
 
 
 def _backward_programs(tokens: int, device) -> int:
@@ -139,25 +139,28 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key_norm_weight, null_source, lse, *sources = ctx.saved_tensors
-        rows = [_rows(s) for s in sources]
-        tokens, width = rows[0].shape
-        device = rows[0].device
-        tile = _tile(width, ctx.num_heads)
+        sources = _contiguous(sources)
+        first = sources[0]
+        width, device = first.shape[-1], first.device
+        tokens = first.numel() // width
         programs = _backward_programs(tokens, device)
-        grads = _empty((len(rows), tokens, width), dtype=rows[0].dtype, device=device)
+        grads = _empty((len(sources), *first.shape), dtype=first.dtype, device=device)
+        # source n's gradient lives at a fixed stride in one buffer: its table needs no host copy
+        step = first.numel() * first.element_size()
+        grad_table = grads.data_ptr() + step * torch.arange(len(sources), dtype=torch.int64, device=device)
         dkey = _empty((programs, width), dtype=torch.float32, device=device)
         dnull = _empty((programs, width), dtype=torch.float32, device=device) if null_source is not None else dkey
         route_bwd[tokens >= TUNED_FROM_TOKENS][(programs,)](
-            _address_table(rows, device), _address_table(list(grads), device), rows[0],
+            _address_table(sources, device), grad_table, first,
             query if null_source is None else null_source, query, key_norm_weight, lse,
-            _rows(grad_out), dkey, dnull, len(rows), tokens, ctx.eps,
-            HAS_NULL=null_source is not None, **tile,
+            grad_out.contiguous(), dkey, dnull, len(sources), tokens, ctx.eps,
+            HAS_NULL=null_source is not None, **_tile(width, ctx.num_heads),
         )
         dkey = dkey.sum(0)  # fixed-order reduction of per-program partials: deterministic
         dquery = (dkey * key_norm_weight.float()).to(query.dtype)
         dweight = (dkey * query.float()).to(key_norm_weight.dtype)
         dnull = dnull.sum(0).to(null_source.dtype) if null_source is not None else None
-        return (None, None, dquery, dweight, dnull, *(g.view(s.shape) for g, s in zip(grads, sources)))
+        return (None, None, dquery, dweight, dnull, *grads.unbind(0))
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
