@@ -48,7 +48,13 @@ def loss_curve(model: MHARForCausalLM, steps: int = 30) -> list[float]:
 def test_fused_training_follows_the_reference_loss_curve(mode, monkeypatch):
     launches = []
     launcher = fused.route_fwd[False]
-    monkeypatch.setitem(fused.route_fwd, False, type("Spy", (), {"__getitem__": lambda s, g: launches.append(g) or launcher[g]})())
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return launcher[grid]
+
+    monkeypatch.setitem(fused.route_fwd, False, Spy())
     fused_model = tiny_model(mode, "fused")
     fused_curve = loss_curve(fused_model)
     assert launches, "the fused model never launched the routing kernel"
