@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .configuration_mhar import PRESETS, RESIDUAL_MODES, MHARConfig
 from .modeling_mhar import MHARForCausalLM, MHARModel, MHARPreTrainedModel, MHARRouter
 from .remote_code import save_remote_code
-from .routing import route, route_reference, routing_weights
+from .routing import route, route_reference, routing_keys, routing_weights
 
 AutoConfig.register(MHARConfig.model_type, MHARConfig, exist_ok=True)
 AutoModel.register(MHARConfig, MHARModel, exist_ok=True)
@@ -25,6 +25,7 @@ __all__ = [
     "RESIDUAL_MODES",
     "route",
     "route_reference",
+    "routing_keys",
     "routing_weights",
     "save_remote_code",
 ]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .routing import routing_weights
+from .routing import routing_keys, routing_weights
 
 SLICES = 4
 NULL_DRAWS = 4
@@ -40,18 +40,6 @@ OUTPUT_FILES = ("probe.json", "routing_heatmap.png", "head_deviation.png")
 
 def _math_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-
-
-def routing_keys(
-    sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float, null_source: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The keys of DESIGN.md section 1, `[N, ..., d]`: each source RMS-normalised over the full
-    width and scaled by `key_norm_weight`; `null_source` (a `[d]` vector) is source 0."""
-    dtype = _math_dtype(sources[0])
-    if null_source is not None:
-        sources = [null_source.expand_as(sources[0]), *sources]
-    values = torch.stack([s.to(dtype) for s in sources])
-    return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.to(dtype)
 
 
 def slice_logits(keys: torch.Tensor, query: torch.Tensor, num_heads: int, slices: int = SLICES) -> torch.Tensor:
@@ -572,7 +560,6 @@ __all__ = [
     "probe_folder",
     "probe_model",
     "read_text",
-    "routing_keys",
     "slice_logits",
     "source_collinearity",
     "source_labels",

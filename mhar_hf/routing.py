@@ -31,6 +31,18 @@ def _stack_for_math(sources) -> torch.Tensor:
     return torch.stack([s.to(dtype) for s in sources])
 
 
+def routing_keys(
+    sources: Sequence[torch.Tensor],
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    null_source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The keys, `[N, ..., d]` in fp32 (fp64 for fp64 inputs): each source RMS-normalised over the
+    FULL width d (not per head) and scaled by `key_norm_weight`; `null_source` is source 0."""
+    values = _stack_for_math(_with_null_source(sources, null_source))
+    return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.to(values.dtype)
+
+
 def routing_weights(
     sources: Sequence[torch.Tensor],
     query: torch.Tensor,
@@ -39,16 +51,11 @@ def routing_weights(
     eps: float,
     null_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fp32 (fp64 for fp64 inputs) depth distribution of every head: `[N, ..., H]`, summing to 1 over N.
-
-    Keys are the sources RMS-normalised over the full width d and scaled by `key_norm_weight`;
-    the logit of head h is the plain dot product of its slice of `query` with its slice of the key.
-    """
-    values = _stack_for_math(_with_null_source(sources, null_source))  # [N, ..., d]
-    width = values.shape[-1]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.to(values.dtype)
-    per_head = (*values.shape[:-1], num_heads, width // num_heads)
-    logits = (keys.view(per_head) * query.to(values.dtype).view(num_heads, -1)).sum(-1)
+    """The depth distribution of every head, `[N, ..., H]`, summing to 1 over N: the logit of
+    head h is the plain dot product of its slice of `query` with its slice of the key."""
+    keys = routing_keys(sources, key_norm_weight, eps, null_source)
+    per_head = (*keys.shape[:-1], num_heads, keys.shape[-1] // num_heads)
+    logits = (keys.view(per_head) * query.to(keys.dtype).view(num_heads, -1)).sum(-1)
     return logits.softmax(dim=0)
 
 

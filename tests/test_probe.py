@@ -16,14 +16,13 @@ from mhar_hf.probe import (
     matched_norm_queries,
     probe_model,
     read_text,
-    routing_keys,
     token_chunks,
     slice_logits,
     source_collinearity,
     width_disagreement,
     write_outputs,
 )
-from mhar_hf.routing import routing_weights
+from mhar_hf.routing import routing_keys, routing_weights
 from mhar_hf.tiny import demo_corpus, tiny_config
 
 EPS = 1e-6
