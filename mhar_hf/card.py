@@ -179,15 +179,11 @@ def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str
     shows the paired comparison (discordant counts, exact McNemar p) with each."""
     import jinja2
 
-    from .commands.info import parameter_counts
     from .configuration_mhar import MHARConfig
+    from .model_folder import parameter_counts, read_mhar_config
 
     folder = Path(model_dir)
-    raw_config = _read_json(folder / "config.json")
-    if raw_config is None:
-        raise FileNotFoundError(f"{folder / 'config.json'} not found: pass a folder written by save_pretrained")
-    if raw_config.get("model_type") != "mhar":
-        raise ValueError(f"{folder} holds a {raw_config.get('model_type')!r} model, not an MHAR one")
+    read_mhar_config(folder)
     config = MHARConfig.from_pretrained(folder).to_dict()  # with the defaults config.json leaves out
     if not TEMPLATE.is_file():
         raise FileNotFoundError(f"card template {TEMPLATE} not found (it ships in the repository's model_cards/)")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .model_folder import read_mhar_config
 from .routing import routing_keys, routing_weights
 
 SLICES = 4
@@ -375,12 +376,7 @@ def load_model(path: str | Path, device: str | None = None):
     import mhar_hf  # noqa: F401  (registers the mhar model type)
 
     folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} not found: DIR must be a model folder written by save_pretrained")
-    config = json.loads(config_file.read_text())
-    if config.get("model_type") != "mhar":
-        raise ValueError(f"{folder} holds a {config.get('model_type')!r} model; the probe needs an MHAR model")
+    config = read_mhar_config(folder)
     if config.get("residual_mode", "full") == "standard":
         raise ValueError(f"{folder} is an MHAR model in residual_mode='standard': it has no routers to probe")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):

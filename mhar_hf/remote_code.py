@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .model_folder import read_mhar_config
+
 BUNDLE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "routing.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_mhar.MHARConfig",
@@ -25,11 +27,7 @@ def save_remote_code(path: str | os.PathLike) -> None:
     """Copy the model's source files into `path` and add `auto_map` to its config.json."""
     folder = Path(path)
     config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist: call save_pretrained({str(folder)!r}) first")
-    config = json.loads(config_file.read_text())
-    if config.get("model_type") != "mhar":
-        raise ValueError(f"{config_file} has model_type={config.get('model_type')!r}, not 'mhar'")
+    config = read_mhar_config(folder)
     package = Path(__file__).parent
     for name in BUNDLE_FILES:
         shutil.copyfile(package / name, folder / name)

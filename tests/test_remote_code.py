@@ -48,5 +48,5 @@ def test_bundle_needs_a_saved_mhar_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         save_remote_code(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="not 'mhar'"):
+    with pytest.raises(ValueError, match="not an MHAR one"):
         save_remote_code(tmp_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -12,34 +11,11 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parameter_counts(path: str | Path) -> dict[str, int]:
-    """Backbone and routing parameter counts, read from the checkpoint headers (no weights loaded)."""
-    from safetensors import safe_open
-
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    counts = {"backbone": 0, "routing": 0}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                numel = 1
-                for size in f.get_slice(name).get_shape():
-                    numel *= size
-                counts["routing" if "_router." in name else "backbone"] += numel
-    counts["total"] = counts["backbone"] + counts["routing"]
-    return counts
-
-
 def run(args) -> int:
+    from ..model_folder import parameter_counts, read_mhar_config
+
     folder = Path(args.path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} not found: PATH must be a folder written by save_pretrained")
-    config = json.loads(config_file.read_text())
-    if config.get("model_type") != "mhar":
-        raise ValueError(f"{folder} holds a {config.get('model_type')!r} model, not an MHAR one")
+    config = read_mhar_config(folder)
     keys = ["residual_mode", "residual_heads", "residual_num_blocks", "residual_block_layers", "hidden_size",
             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
             "qk_norm", "qkv_bias", "attention_bias", "tie_word_embeddings", "dtype", "rope_parameters"]
