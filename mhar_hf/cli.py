@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Modules in mhar_hf.commands, in the order `mhar --help` lists them.
-COMMANDS = ["info", "demo", "probe", "train", "convert", "verify_identity", "eval", "card"]
+COMMANDS = ["info", "demo", "convert", "verify_identity", "train", "probe", "eval", "card"]
 
 
 def build_parser() -> argparse.ArgumentParser:
