@@ -86,7 +86,7 @@ def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
     model = randomised(tiny_model(mode, "fused")).train()
     tokens = next(batches(1))
     plain = fused_gradients(model, tokens)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed = fused_gradients(model, tokens)
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
