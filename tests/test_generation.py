@@ -42,3 +42,14 @@ def test_cached_generation_equals_recomputation_with_left_padding(mode):
         alone = model.generate(input_ids=prompt[None], max_new_tokens=8, do_sample=False,
                                pad_token_id=1, eos_token_id=None)
         assert torch.equal(alone[0, -8:], cached[row, -8:])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_incremental_forward_with_a_cache_equals_one_full_forward(mode):
+    model = randomise_routing(build(mode, attn="eager"))
+    tokens = torch.randint(2, 384, (2, 10))
+    with torch.no_grad():
+        full = model(tokens).logits
+        first = model(tokens[:, :6], use_cache=True)
+        rest = model(tokens[:, 6:], cache=first.cache, use_cache=True).logits  # positions come from the cache
+    torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
