@@ -10,9 +10,8 @@ import time
 
 import pytest
 import torch
-from train_setup import convert_tiny_llama, launch_command, read_metrics, run_launch, train_args, write_jsonl_corpus
+from train_setup import converted_model_and_corpus, launch_command, read_metrics, run_launch, train_args
 
-from mhar_hf.tiny import demo_corpus
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 16, 5
@@ -20,10 +19,7 @@ STEPS, SAVE_EVERY = 16, 5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("launch")
-    model = convert_tiny_llama(root / "converted", tokenizer)
-    data = write_jsonl_corpus(root / "corpus.jsonl", demo_corpus())
-    return root, model, data
+    return converted_model_and_corpus(tmp_path_factory.mktemp("launch"), tokenizer)
 
 
 def start_run(args: list[str], cache) -> subprocess.Popen:

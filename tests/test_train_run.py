@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_setup import convert_tiny_llama, read_metrics, train_args, write_jsonl_corpus
+from train_setup import converted_model_and_corpus, read_metrics, train_args
 
 from mhar_hf.cli import main as cli
 from mhar_hf.tiny import demo_corpus, tiny_config, train_tokenizer
@@ -15,10 +15,7 @@ from mhar_hf.tiny import demo_corpus, tiny_config, train_tokenizer
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("run")
-    model = convert_tiny_llama(root / "converted", tokenizer)
-    data = write_jsonl_corpus(root / "corpus.jsonl", demo_corpus())
-    return root, model, data
+    return converted_model_and_corpus(tmp_path_factory.mktemp("run"), tokenizer)
 
 
 @pytest.fixture(autouse=True)

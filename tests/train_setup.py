@@ -48,6 +48,14 @@ def write_jsonl_corpus(path: Path, text: str) -> Path:
     return path
 
 
+def converted_model_and_corpus(root: Path, tokenizer) -> tuple[Path, Path, Path]:
+    """`root`, a tiny converted model in it, and the demo text as a jsonl corpus."""
+    from mhar_hf.tiny import demo_corpus
+
+    model = convert_tiny_llama(root / "converted", tokenizer)
+    return root, model, write_jsonl_corpus(root / "corpus.jsonl", demo_corpus())
+
+
 def train_args(model: Path, data: Path, output: Path, *extra: str) -> list[str]:
     """Small settings: 64-token sequences, 2 per micro-batch, tiny validation set."""
     return ["--model", str(model), "--data", str(data), "--output", str(output), "--seq-length", "64",

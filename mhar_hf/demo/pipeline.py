@@ -44,6 +44,20 @@ def token_batches(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, 
         yield torch.stack([ids[s : s + seq_len] for s in starts])
 
 
+def train_briefly(model, ctx: DemoContext, steps: int, seed: int) -> list[float]:
+    """A few AdamW steps on random windows of the embedded text; the loss of every step."""
+    ids = torch.tensor(ctx.artifacts["tokenizer"](ctx.artifacts["text"])["input_ids"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for batch in token_batches(ids, seq_len=64, batch_size=8, steps=steps, seed=seed):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def step_train_from_scratch(ctx: DemoContext, steps: int = 60) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -53,15 +67,7 @@ def step_train_from_scratch(ctx: DemoContext, steps: int = 60) -> str:
     tokenizer = ctx.artifacts["tokenizer"]
     config = tiny_config(vocab_size=len(tokenizer), residual_mode="full", residual_heads=4)
     model = AutoModelForCausalLM.from_config(config)
-    ids = torch.tensor(tokenizer(ctx.artifacts["text"])["input_ids"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    losses = []
-    for batch in token_batches(ids, seq_len=64, batch_size=8, steps=steps, seed=ctx.seed):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_briefly(model, ctx, steps, seed=ctx.seed)
     ctx.artifacts["scratch_model"] = model
     return f"full-mode MHAR (H=4, {model.num_parameters():,} parameters): loss {losses[0]:.2f} -> {losses[-1]:.2f} in {steps} steps"
 

@@ -18,7 +18,7 @@ def step_train_llama(ctx: DemoContext, steps: int = LLAMA_STEPS) -> str:
     """Train a plain `LlamaForCausalLM` briefly on the embedded text: the stand-in for a pretrained checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .pipeline import token_batches
+    from .pipeline import train_briefly
 
     tokenizer = ctx.artifacts["tokenizer"]
     config = LlamaConfig(
@@ -28,15 +28,7 @@ def step_train_llama(ctx: DemoContext, steps: int = LLAMA_STEPS) -> str:
     )
     torch.manual_seed(ctx.seed)
     model = LlamaForCausalLM(config)
-    ids = torch.tensor(tokenizer(ctx.artifacts["text"])["input_ids"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    losses = []
-    for batch in token_batches(ids, seq_len=64, batch_size=8, steps=steps, seed=ctx.seed + 1):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_briefly(model, ctx, steps, seed=ctx.seed + 1)
     path = ctx.workdir / "llama"
     model.save_pretrained(path, max_shard_size=SOURCE_SHARD_SIZE)
     tokenizer.save_pretrained(path)
