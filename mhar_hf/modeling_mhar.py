@@ -41,7 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhar import MHARConfig
-from .routing import route
+from .routing import route, track
 
 
 class MHARRouter(nn.Module):
@@ -158,6 +158,7 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             self.attn_router = MHARRouter(config, gated) if layer_idx > 0 else None
             self.mlp_router = MHARRouter(config, gated)
             self.starts_block = layer_idx % config.layers_per_block == 0
+            self.routing_implementation = config.routing_implementation
 
     def forward(
         self,
@@ -186,14 +187,18 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def mlp_sublayer(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(hidden_states))
 
+    def depth_source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor routing sites will read, marked where it is made (see `routing.track`)."""
+        return track(tensor, self.routing_implementation)
+
     def _forward_standard(self, hidden, attend):
         hidden = hidden + attend(hidden)
         return hidden + self.mlp_sublayer(hidden)
 
     def _forward_full(self, sources, attend):
         hidden = self.attn_router(sources) if self.attn_router is not None else sources[0]
-        sources = (*sources, attend(hidden))
-        return (*sources, self.mlp_sublayer(self.mlp_router(sources)))
+        sources = (*sources, self.depth_source(attend(hidden)))
+        return (*sources, self.depth_source(self.mlp_sublayer(self.mlp_router(sources))))
 
     def _forward_block(self, residual, attend):
         blocks, running = residual
@@ -203,14 +208,15 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             blocks, running = (*blocks, running), attn_out
         else:
             running = running + attn_out
+        running = self.depth_source(running)
         mlp_out = self.mlp_sublayer(self.mlp_router((*blocks, running)))
-        return blocks, running + mlp_out
+        return blocks, self.depth_source(running + mlp_out)
 
     def _forward_delta(self, residual, attend):
         stream, blocks, boundary = residual
         hidden = stream + self.attn_router(blocks) if self.attn_router is not None else stream
         if self.starts_block:
-            blocks = (*blocks, stream - boundary if blocks else stream)
+            blocks = (*blocks, self.depth_source(stream - boundary if blocks else stream))
             boundary = stream
         stream = stream + attend(hidden)
         stream = stream + self.mlp_sublayer(stream + self.mlp_router(blocks))
@@ -257,9 +263,9 @@ class MHARModel(MHARPreTrainedModel):
         """The residual state before layer 0 (see the module docstring)."""
         mode = self.config.residual_mode
         if mode == "full":
-            return (embeddings,)
+            return (track(embeddings, self.config.routing_implementation),)
         if mode == "block":
-            return (), embeddings
+            return (), track(embeddings, self.config.routing_implementation)
         if mode == "delta":
             return embeddings, (), embeddings
         return embeddings

@@ -104,15 +104,35 @@ def route(
     `auto` uses the kernels for CUDA sources when Triton is installed; `fused` asks for them
     anywhere they run. Calls the kernels do not cover fall back, with a one-time warning.
     """
-    choice = resolve_implementation(implementation)
-    if choice == "fused" or (choice == "auto" and sources and sources[0].is_cuda):
-        kernels = _fused_kernels(required=choice == "fused")
-        if kernels is not None:
-            reason = kernels.unsupported_reason(sources, query, num_heads, null_source)
-            if reason is None:
-                return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source)
-            _warn_once(f"{reason}; using the reference routing op for this call.")
+    kernels = _kernels_for(implementation, sources[0]) if sources else None
+    if kernels is not None:
+        reason = kernels.unsupported_reason(sources, query, num_heads, null_source)
+        if reason is None:
+            return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source)
+        _warn_once(f"{reason}; using the reference routing op for this call.")
     return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source)
+
+
+def track(source: torch.Tensor, implementation: str = "auto") -> torch.Tensor:
+    """Mark a tensor that routing reads will use, where it is made (a depth source).
+
+    On the fused path the kernels then compute its gradient once, from all its reads, instead
+    of once per read; marking where the tensor is made (not at its first read) also keeps a
+    layer recomputed under activation checkpointing identical to its first run. Elsewhere (the
+    reference path, no gradient) the tensor comes back unchanged.
+    """
+    if not (torch.is_grad_enabled() and source.requires_grad):
+        return source
+    kernels = _kernels_for(implementation, source)
+    return kernels.track(source) if kernels is not None else source
+
+
+def _kernels_for(implementation: str, tensor: torch.Tensor):
+    """The fused kernels module when `implementation` picks it for `tensor`, else None."""
+    choice = resolve_implementation(implementation)
+    if choice == "fused" or (choice == "auto" and tensor.is_cuda):
+        return _fused_kernels(required=choice == "fused")
+    return None
 
 
 _warned: set[str] = set()
@@ -125,7 +145,7 @@ def _warn_once(message: str) -> None:
 
 
 def _fused_kernels(required: bool):
-    """The fused kernels module (`fused_route`, `unsupported_reason`), or None when not installed."""
+    """The fused kernels module (`fused_route`, `track`, `unsupported_reason`), or None when not installed."""
     try:
         from mhar_hf.ops import routing as kernels
     except ImportError:

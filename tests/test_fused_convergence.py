@@ -47,14 +47,14 @@ def loss_curve(model: MHARForCausalLM, steps: int = 30) -> list[float]:
 @pytest.mark.parametrize("mode", ["full", "delta"])
 def test_fused_training_follows_the_reference_loss_curve(mode, monkeypatch):
     launches = []
-    launcher = fused.route_fwd[False]
+    kernel = fused.kernels.route_source_bwd_kernel
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
-            return launcher[grid]
+            return kernel[grid]
 
-    monkeypatch.setitem(fused.route_fwd, False, Spy())
+    monkeypatch.setattr(fused.kernels, "route_source_bwd_kernel", Spy())
     fused_model = tiny_model(mode, "fused")
     fused_curve = loss_curve(fused_model)
     assert launches, "the fused model never launched the routing kernel"

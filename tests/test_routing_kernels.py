@@ -160,6 +160,44 @@ def test_gated_router_gradients_match_fp64_reference():
         assert rel_rms(s.grad, t.grad) < 1e-5
 
 
+def test_tracked_sources_sum_every_read_and_other_uses(heads=4):
+    """Sources read by several sites with different queries, and used elsewhere too: each gets
+    its whole gradient from one source-kernel launch, equal to the fp64 reference's."""
+    from mhar_hf.ops.routing import track
+
+    def model(route_fn, sources, params, mark):
+        sources = [mark(s) for s in sources]
+        reads = [route_fn(sources[:n], q, g, heads, EPS, null) for n, (q, g, null) in zip((2, 3, 4), params)]
+        return reads[0] * reads[1] + reads[2] + sources[1] * 3  # the last term: a use that is not a read
+
+    sources, _, _, _ = routing_inputs(4, 64, 11, batch=2)
+    params = [routing_inputs(4, 64, 11, null=i == 1)[1:] for i in range(3)]
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    twins = [s.detach().double().requires_grad_() for s in sources]
+    fused_out = model(fused_route, leaves, params, track)
+    reference_out = model(route_reference, twins, [[fp64(t) for t in p] for p in params], lambda s: s)
+    grad_out = torch.randn_like(reference_out)
+    fused_out.backward(grad_out.float())
+    reference_out.backward(grad_out)
+    for i, (leaf, twin) in enumerate(zip(leaves, twins, strict=True)):
+        assert rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
+
+
+def test_a_partial_backward_leaves_nothing_behind():
+    """autograd.grad on the query alone runs the reads' backward but not the sources': a later
+    full backward must not count the records that pass left."""
+    sources, query, norm_weight, _ = routing_inputs(3, 64, 9)
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    query.requires_grad_()
+    out = fused_route(leaves, query, norm_weight, 4, EPS)
+    torch.autograd.grad(out.sum(), [query], retain_graph=True)
+    out.sum().backward()
+    twins = [s.double().requires_grad_() for s in sources]
+    route_reference(twins, fp64(query), fp64(norm_weight), 4, EPS).sum().backward()
+    for leaf, twin in zip(leaves, twins, strict=True):
+        assert rel_rms(leaf.grad, twin.grad) < 1e-5
+
+
 class LaunchSpy:
     """Wraps a kernel: counts launches, then launches it."""
 
@@ -173,18 +211,20 @@ class LaunchSpy:
 
 @pytest.fixture
 def spies(monkeypatch):
-    forward, backward = LaunchSpy(fused.route_fwd[False]), LaunchSpy(fused.route_bwd[False])
-    monkeypatch.setitem(fused.route_fwd, False, forward)
-    monkeypatch.setitem(fused.route_bwd, False, backward)
-    return forward, backward
+    """Launch counters of the forward, per-read backward and per-source backward kernels."""
+    counters = {}
+    for name in ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel"):
+        counters[name] = LaunchSpy(getattr(fused.kernels, name))
+        monkeypatch.setattr(fused.kernels, name, counters[name])
+    return counters.values()
 
 
 def test_dispatch_runs_the_kernels(spies, monkeypatch):
-    forward, backward = spies
+    forward, site, source = spies
     sources, query, norm_weight, _ = routing_inputs(3, 64, 9)
     query.requires_grad_()
     route(sources, query, norm_weight, 4, EPS, implementation="auto" if GPU else "fused").sum().backward()
-    assert (forward.launches, backward.launches) == (1, 1)
+    assert (forward.launches, site.launches, source.launches) == (1, 1, 0)  # no source needs a gradient
     monkeypatch.setenv("MHAR_ROUTING", "reference")  # the environment variable wins over the argument
     route(sources, query, norm_weight, 4, EPS, implementation="fused")
     assert forward.launches == 1
@@ -193,15 +233,16 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
 def test_model_routes_every_multi_source_site_through_the_kernels(spies):
     from mhar_hf import MHARForCausalLM
 
-    forward, backward = spies
+    forward, site, source = spies
     model = MHARForCausalLM(tiny_config(residual_mode="full", routing_implementation="fused")).to(DEVICE)
     model(torch.randint(0, 384, (1, 6), device=DEVICE)).logits.sum().backward()
     sites = 2 * 4 - 1 + 1  # every attention router but layer 0's, every MLP router, the final router
-    assert (forward.launches, backward.launches) == (sites, sites)
+    # each source (the embedding, every sublayer output) gets its gradient from one launch, for all its reads
+    assert (forward.launches, site.launches, source.launches) == (sites, sites, 2 * 4 + 1)
 
 
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
-    forward, _ = spies
+    forward, *_ = spies
     sources, query, norm_weight, _ = routing_inputs(3, 64, 5)
     mixed = [sources[0].half(), *sources[1:]]
     for _ in range(2):
@@ -212,29 +253,32 @@ def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter accepts code the GPU compiler rejects: compile both kernels for Hopper."""
+    """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from mhar_hf.ops.routing.kernels import route_bwd_kernel, route_fwd_kernel
+        from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.fused import _tile
 
-        for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 2, 4), (1536, 12, 2, 2)):
+        types = dict(table="*i64", readers="*i64", src0_ptr="*bf16", src_ptr="*bf16", null_ptr="*bf16",
+                     q_ptr="*bf16", g_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
+                     grad_in_ptr="*bf16", dsrc_ptr="*bf16", dq_ptr="*bf16", dg_ptr="*bf16", dnull_ptr="*bf16",
+                     lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
+                     dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32",
+                     num_sources="i32", num_readers="i32", programs="i32", T="i32", eps="fp32")
+        flags = dict(HAS_NULL=True, STORE_LSE=True, HAS_GRAD_IN=True)
+        for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2)):
             tile = dict(_tile(width, heads), BLOCK_T=block_t)
-            common = dict(src0_ptr="*bf16", null_ptr="*bf16", q_ptr="*bf16", g_ptr="*bf16", lse_ptr="*fp32",
-                          num_sources="i32", T="i32", eps="fp32")
-            for kernel, extra, flags in (
-                (route_fwd_kernel, dict(table="*i64", out_ptr="*bf16"), dict(HAS_NULL=True, STORE_LSE=True)),
-                (route_bwd_kernel, dict(table="*i64", grad_table="*i64", dout_ptr="*bf16",
-                                        dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32"),
-                 dict(HAS_NULL=True)),
-            ):
-                constexprs = dict(flags, **tile)
-                types = dict(common, **extra)
+            for kernel in (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel):
+                constexprs = {k: v for k, v in dict(flags, **tile).items() if k in kernel.arg_names}
                 signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
                 triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                                options=dict(num_warps=warps))
+        kernel = kernels.route_params_bwd_kernel
+        signature = {name: dict(types, D="i32").get(name, "constexpr") for name in kernel.arg_names}
+        triton.compile(ASTSource(kernel, signature, dict(HAS_NULL=True, BLOCK_D=1024)),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -1,7 +1,17 @@
-"""The fused routing op: launch configuration, coverage check and the autograd function."""
+"""The fused routing op: coverage check, launch configuration and the two autograd functions.
+
+`FusedRoute` is one read. Its backward (`route_site_bwd_kernel`) computes the routing
+parameters' gradients and leaves a record (output gradient, lse, S, g*q) with every source it
+read; it returns no source gradient. `DepthSource` marks a tensor that reads will use: autograd
+runs its backward only after every read of it has run its own, and there one kernel
+(`route_source_bwd_kernel`) turns all the records into the source's gradient. So each source
+gradient is summed in fp32 and written once, instead of being written by every read and added
+up by autograd (DESIGN.md section 4, the source-major backward).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -15,6 +25,11 @@ SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
+# Launch shape per kernel: token rows per program, and padded tile elements per warp. Token
+# rows > 1 in the source kernel spread its per-read loads of g*q over several rows.
+LAUNCH = {"forward": (1, 512), "site": (1, 256), "source": (4, 256)}
+INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
+
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -26,36 +41,19 @@ def _tile(width: int, num_heads: int) -> dict:
     return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad)
 
 
-TUNED_FROM_TOKENS = 1024  # calls this large (training, prefill) use autotuned launch configs
-
-
-def _drop_oversized(configs, named_args, **kwargs):
-    """Keep configs that give each thread at most 64 fp32 values of a tile (more spill registers)."""
-    tile = kwargs["H_PAD"] * kwargs["DH_PAD"]
-    kept = [c for c in configs if c.kwargs["BLOCK_T"] * tile <= 64 * 32 * c.num_warps]
-    return kept or configs[-1:]
-
-
-def _quick_bench(fn, quantiles=None, **_):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
-def _launchers(kernel) -> dict:
-    """{tuned?: launcher}. Token rows per program and warps: one fixed config for small calls
-    (decoding) and under the interpreter (where autotuning fails), autotuned otherwise."""
-    keys = ["D", "H", "HAS_NULL"]
+def _launch(kind: str, tile: dict) -> dict:
+    rows, per_warp = LAUNCH[kind]
     if _interpreted():
-        fixed = triton.autotune([triton.Config({"BLOCK_T": 16}, num_warps=4)], key=keys)(kernel)
-        return {False: fixed, True: fixed}
-    tuned = triton.autotune(
-        [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in ((1, 1), (1, 2), (2, 2), (2, 4))],
-        key=keys, prune_configs_by={"early_config_prune": _drop_oversized}, do_bench=_quick_bench,
-    )(kernel)
-    return {False: triton.autotune([triton.Config({"BLOCK_T": 1}, num_warps=2)], key=keys)(kernel), True: tuned}
+        return dict(BLOCK_T=INTERPRETER_ROWS, num_warps=4)
+    warps = triton.next_power_of_2(triton.cdiv(rows * tile["H_PAD"] * tile["DH_PAD"], per_warp))
+    return dict(BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
 
 
-route_fwd = _launchers(kernels.route_fwd_kernel)
-route_bwd = _launchers(kernels.route_bwd_kernel)
+@functools.cache
+def _persistent_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: several token blocks per program, as on a GPU
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None):
@@ -83,7 +81,7 @@ MAX_TABLES = 4096
 
 
 def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """The sources' addresses as an int64 tensor on `device`. Tables are kept by content: the
+    """The tensors' addresses as an int64 tensor on `device`. Tables are kept by content: the
     caching allocator hands a training step the same addresses as the step before, so in the
     steady state no host-to-device copy is made at all (a blocking one would stall the stream,
     and a pinned staging buffer per call costs hundreds of microseconds of host time)."""
@@ -111,21 +109,71 @@ def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store
     width = first.shape[-1]
     tokens = first.numel() // width
     tile = _tile(width, num_heads)
+    launch = _launch("forward", tile)
     out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
-    route_fwd[tokens >= TUNED_FROM_TOKENS][lambda meta: (triton.cdiv(tokens, meta["BLOCK_T"]),)](
+    kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         _address_table(sources, first.device), first, query if null_source is None else null_source,
         query, key_norm_weight, out, lse, len(sources), tokens, eps,
-        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **tile,
+        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **tile, **launch,
     )
     return out, lse
 
 
-def _backward_programs(tokens: int, device) -> int:
-    """A grid independent of the tuned block size, so the partial sums always have these many rows."""
-    if device.type == "cuda":
-        return min(tokens, 16 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tokens, 2)  # the interpreter: several blocks per program, as on a GPU
+class DepthSource(torch.autograd.Function):
+    """Marks a tensor that routing reads will use (the alias it returns is what they take).
+    Its backward runs after every read of it: the source kernel sums their records, plus the
+    gradient that reached the tensor any other way."""
+
+    @staticmethod
+    def forward(ctx, source):
+        ctx.set_materialize_grads(False)  # reads return no gradient for it: no zeros to add
+        ctx.records = []
+        ctx.save_for_backward(source)
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad_in):
+        # records of this backward pass only: a pass that stopped short (autograd.grad on a
+        # subset of inputs) may have left some that no later pass must count
+        task = torch._C._current_graph_task_id()
+        records = [r[1:] for r in ctx.records if r[0] == task]
+        ctx.records.clear()
+        if not records:
+            return grad_in
+        (source,) = ctx.saved_tensors
+        return _source_grad(source.contiguous(), records, grad_in)
+
+
+def is_tracked(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor.grad_fn, DepthSource._backward_cls)
+
+
+def track(source: torch.Tensor) -> torch.Tensor:
+    """`source` marked as a depth source (see DepthSource) when it needs a gradient; else unchanged."""
+    if not (torch.is_grad_enabled() and source.requires_grad) or is_tracked(source):
+        return source
+    return DepthSource.apply(source)
+
+
+def _source_grad(source, records, grad_in):
+    douts, lses, totals, gqs, eps = zip(*records)
+    if len(set(eps)) > 1:
+        raise ValueError(f"reads of one source must share one eps (the model's rms_norm_eps); got {sorted(set(eps))}")
+    if len({d.dtype for d in douts}) > 1:  # reads of one source with outputs of mixed dtypes
+        douts = [d.to(douts[0].dtype) for d in douts]
+    width = source.shape[-1]
+    tokens = source.numel() // width
+    tile = _tile(width, lses[0].shape[-1])
+    launch = _launch("source", tile)
+    grad = _empty(source.shape, dtype=source.dtype, device=source.device)
+    grad_in = grad_in.contiguous() if grad_in is not None else None
+    kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
+        source, _address_table((*douts, *lses, *totals, *gqs), source.device), douts[0], lses[0],
+        grad_in if grad_in is not None else grad, grad, len(records), tokens, eps[0],
+        HAS_GRAD_IN=grad_in is not None, **tile, **launch,
+    )
+    return grad
 
 
 class FusedRoute(torch.autograd.Function):
@@ -133,6 +181,7 @@ class FusedRoute(torch.autograd.Function):
     def forward(ctx, num_heads, eps, query, key_norm_weight, null_source, *sources):
         out, lse = _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
         ctx.num_heads, ctx.eps = num_heads, eps
+        ctx.source_nodes = [s.grad_fn if is_tracked(s) else None for s in sources]
         ctx.save_for_backward(query, key_norm_weight, null_source, lse, *sources)
         return out
 
@@ -143,24 +192,33 @@ class FusedRoute(torch.autograd.Function):
         first = sources[0]
         width, device = first.shape[-1], first.device
         tokens = first.numel() // width
-        programs = _backward_programs(tokens, device)
-        grads = _empty((len(sources), *first.shape), dtype=first.dtype, device=device)
-        # source n's gradient lives at a fixed stride in one buffer: its table needs no host copy
-        step = first.numel() * first.element_size()
-        grad_table = grads.data_ptr() + step * torch.arange(len(sources), dtype=torch.int64, device=device)
-        dkey = _empty((programs, width), dtype=torch.float32, device=device)
-        dnull = _empty((programs, width), dtype=torch.float32, device=device) if null_source is not None else dkey
-        route_bwd[tokens >= TUNED_FROM_TOKENS][(programs,)](
-            _address_table(sources, device), grad_table, first,
-            query if null_source is None else null_source, query, key_norm_weight, lse,
-            grad_out.contiguous(), dkey, dnull, len(sources), tokens, ctx.eps,
-            HAS_NULL=null_source is not None, **_tile(width, ctx.num_heads),
+        tile = _tile(width, ctx.num_heads)
+        launch = _launch("site", tile)
+        programs = min(triton.cdiv(tokens, launch["BLOCK_T"]), _persistent_programs(device))
+        has_null = null_source is not None
+        grad_out = grad_out.contiguous()
+        total = _empty((tokens, ctx.num_heads), dtype=torch.float32, device=device)
+        gq = _empty((width,), dtype=torch.float32, device=device)
+        partials = _empty((1 + has_null, programs, width), dtype=torch.float32, device=device)
+        kernels.route_site_bwd_kernel[(programs,)](
+            _address_table(sources, device), first, null_source if has_null else query, query, key_norm_weight,
+            lse, grad_out, total, gq, partials[0], partials[-1], len(sources), tokens, ctx.eps,
+            HAS_NULL=has_null, **tile, **launch,
         )
-        dkey = dkey.sum(0)  # fixed-order reduction of per-program partials: deterministic
-        dquery = (dkey * key_norm_weight.float()).to(query.dtype)
-        dweight = (dkey * query.float()).to(key_norm_weight.dtype)
-        dnull = dnull.sum(0).to(null_source.dtype) if null_source is not None else None
-        return (None, None, dquery, dweight, dnull, *grads.unbind(0))
+        record = (torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps)
+        for node, needs_grad in zip(ctx.source_nodes, ctx.needs_input_grad[5:]):
+            if node is not None and needs_grad:
+                node.records.append(record)
+
+        dquery = _empty(query.shape, dtype=query.dtype, device=device)
+        dweight = _empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=device)
+        dnull = _empty(null_source.shape, dtype=null_source.dtype, device=device) if has_null else None
+        block = min(triton.next_power_of_2(width), 1024)
+        kernels.route_params_bwd_kernel[(triton.cdiv(width, block),)](
+            partials[0], partials[-1], query, key_norm_weight, dquery, dweight, dnull if has_null else dquery,
+            programs, width, HAS_NULL=has_null, BLOCK_D=block,
+        )
+        return (None, None, dquery, dweight, dnull, *([None] * len(sources)))
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
@@ -172,7 +230,10 @@ def fused_route(
     eps: float,
     null_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`route_reference` computed by the Triton kernels (same arguments, same result)."""
+    """`route_reference` computed by the Triton kernels (same arguments, same result).
+
+    Sources marked with `track` where they are made get their gradient computed once, from all
+    their reads; others are marked here, per call (correct, but one source kernel per read)."""
     sources = tuple(sources)
     if null_source is None and len(sources) == 1:
         return sources[0]
@@ -180,5 +241,5 @@ def fused_route(
         return null_source
     inputs = (query, key_norm_weight, null_source, *sources)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return FusedRoute.apply(num_heads, eps, query, key_norm_weight, null_source, *sources)
+        return FusedRoute.apply(num_heads, eps, query, key_norm_weight, null_source, *map(track, sources))
     return _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]

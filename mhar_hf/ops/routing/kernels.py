@@ -2,14 +2,23 @@
 
 Layout: every program owns BLOCK_T token rows of width d, held as a `[BLOCK_T, H_PAD, DH_PAD]`
 tile (heads padded to powers of two and masked, so any H dividing d works, d/H = 160 too).
-Sources are read through a table of their addresses, so the caller never stacks them; the
-next source's tile is loaded before the current one is used, to keep two reads in flight.
-All statistics, logits, softmax and the mix run in fp32: every load is upcast at once (bf16
-arithmetic is wrong in the Triton interpreter, and `tl.exp` rejects bf16).
+Tensors that vary per source or per reader are reached through int64 tables of their
+addresses, so the caller never stacks them; the next tile is loaded before the current one is
+used, to keep two reads in flight. All statistics, logits, softmax and the mix run in fp32:
+every load is upcast at once (bf16 arithmetic is wrong in the Triton interpreter, and `tl.exp`
+rejects bf16).
 
-The forward keeps an online softmax over the sources and stores only the per-head
-log-sum-exp `[tokens, H]`; the backward recomputes each source's rstd and logit from the
-source it must read anyway, so nothing larger than that is ever saved.
+With w = softmax(logit), P_nh = <dout_h, x_nh>, S_h = sum_n w_nh P_nh and dlogit = w (P - S),
+the gradient of source n through one read is
+    dx_n = w_n dout + dlogit_n rstd_n (g*q) - rstd_n^3 / D * (sum_h dlogit_nh dots_nh) * x_n
+and the query / key-norm weight get `g * A`, `q * A` with A = sum_n dlogit_n rstd_n x_n.
+The backward is split the way autograd visits the model, so that each byte is read once:
+  - `route_site_bwd_kernel` runs when a read's output gradient arrives: one pass over its
+    sources gives S and A (no source gradient is written);
+  - `route_source_bwd_kernel` runs once per source, when every read of it has run its
+    backward: one pass over the output gradients of those reads gives the source's whole
+    gradient, summed in fp32 and written once.
+Nothing is accumulated with atomics: partial sums are per program and summed in a fixed order.
 """
 
 import triton
@@ -22,12 +31,24 @@ def _load_tile(ptr, offs, mask):
 
 
 @triton.jit
-def _load_source(table, n, num_sources, elem_ptr, offs, tok, T, col_mask):
-    """Source n of the address table as an fp32 tile (zeros once n runs past the table);
-    elem_ptr only lends its element type."""
-    address = tl.load(table + tl.minimum(n, num_sources - 1)).to(tl.pointer_type(elem_ptr.dtype.element_ty))
-    rows = T * (n < num_sources)  # no row is read past the table
-    return _load_tile(address, offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
+def _address(table, i, count, like_ptr):
+    """Entry i of an address table as a pointer of like_ptr's type (entry count-1 past the end)."""
+    return tl.load(table + tl.minimum(i, count - 1)).to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _load_row_tile(table, i, count, like_ptr, offs, tok, T, col_mask):
+    """Token rows of tensor i of an address table as an fp32 tile (zeros once i runs past the table)."""
+    rows = T * (i < count)  # no row is read past the table
+    return _load_tile(_address(table, i, count, like_ptr), offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
+
+
+@triton.jit
+def _tile_layout(H: tl.constexpr, DH: tl.constexpr, H_PAD: tl.constexpr, DH_PAD: tl.constexpr):
+    head = tl.arange(0, H_PAD)
+    col = head[:, None] * DH + tl.arange(0, DH_PAD)[None, :]
+    col_mask = (head[:, None] < H) & (tl.arange(0, DH_PAD)[None, :] < DH)
+    return head, col, col_mask
 
 
 @triton.jit
@@ -56,10 +77,9 @@ def route_fwd_kernel(
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """out = the routed mix; lse = per-head log-sum-exp of the logits (all the backward needs)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.arange(0, H_PAD)
-    col = head[:, None] * DH + tl.arange(0, DH_PAD)[None, :]
-    col_mask = (head[:, None] < H) & (tl.arange(0, DH_PAD)[None, :] < DH)
+    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
     offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
     mask = (tok < T)[:, None, None] & col_mask[None, :, :]
     gq = _load_tile(g_ptr, col, col_mask) * _load_tile(q_ptr, col, col_mask)
@@ -67,60 +87,46 @@ def route_fwd_kernel(
     m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)
-    x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+    x_next = _load_row_tile(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
     if HAS_NULL:  # the null source: one vector shared by every token
         null = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
         m, l, acc = _softmax_step(null, gq, eps, m, l, acc, D)
     for n in range(0, num_sources):
         x = x_next
-        x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
+        x_next = _load_row_tile(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
         m, l, acc = _softmax_step(x, gq, eps, m, l, acc, D)
     tl.store(out_ptr + offs, (acc / l[:, :, None]).to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
-        lse_offs = tok[:, None] * H + head[None, :]
-        tl.store(lse_ptr + lse_offs, m + tl.log(l), mask=(tok < T)[:, None] & (head < H)[None, :])
+        tl.store(lse_ptr + tok[:, None] * H + head[None, :], m + tl.log(l),
+                 mask=(tok < T)[:, None] & (head < H)[None, :])
 
 
 @triton.jit
-def _source_grad(x, dout, total, lse, gq, eps, D: tl.constexpr):
-    """d loss / d x for one source, and its term of sum dlogit * rstd * x (query / norm weight)."""
+def _read_terms(x, dout, lse, gq, eps, D: tl.constexpr):
+    """For one source of one read: rstd [T], dots [T, H], weights w [T, H], P = <dout_h, x_h> [T, H]."""
     rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-    w = tl.exp(dots * rstd[:, None] - lse)
-    dlogit = w * (tl.sum(dout * x, 2) - total)
-    dlogit_rstd = dlogit * rstd[:, None]
-    norm_coef = rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1)
-    dx = w[:, :, None] * dout + dlogit_rstd[:, :, None] * gq[None, :, :] - norm_coef[:, None, None] * x
-    return dx, tl.sum(dlogit_rstd[:, :, None] * x, 0)
+    return rstd, dots, tl.exp(dots * rstd[:, None] - lse), tl.sum(dout * x, 2)
 
 
 @triton.jit
-def _weighted_dot(x, dout, lse, gq, eps, D: tl.constexpr):
-    """w_nh * <dout_h, x_nh>: one source's term of S_h."""
-    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-    return tl.exp(dots * rstd[:, None] - lse) * tl.sum(dout * x, 2)
-
-
-@triton.jit
-def route_bwd_kernel(
-    table, grad_table, src0_ptr, null_ptr, q_ptr, g_ptr, lse_ptr, dout_ptr, dkey_partial_ptr, dnull_partial_ptr,
+def route_site_bwd_kernel(
+    table, src0_ptr, null_ptr, q_ptr, g_ptr, lse_ptr, dout_ptr,
+    total_ptr, gq_ptr, dkey_partial_ptr, dnull_partial_ptr,
     num_sources, T, eps,
     HAS_NULL: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Gradients of every source (written where grad_table points) and per-program partial
-    sums for the query / key-norm weight (`sum dlogit * rstd * x`) and the null source.
-
-    With w = softmax(logit), P_nh = <dout_h, x_nh>, S_h = sum_n w_nh P_nh, dlogit = w (P - S):
-      dx_n = w_n dout + dlogit_n rstd_n (g*q) - rstd_n^3 / D * (sum_h dlogit_nh dots_nh) * x_n.
-    Pass 1 over the sources accumulates S; pass 2 writes dx. Programs stride over token blocks
-    in a fixed order and never share an output: the result is bitwise reproducible.
-    """
+    """The backward of one read, up to the source gradients: S_h per token (`total`, for the
+    source kernel), g*q in fp32 (`gq`, so the source kernel never touches the parameters, which
+    FSDP may have freed by then), and per-program partial sums of A (query / key-norm weight)
+    and of the null source's gradient. One pass: A = sum_n w (P - S) rstd x is gathered as
+    sum_n w P rstd x - S * sum_n w rstd x, since S is only known at the end."""
     pid = tl.program_id(0)
-    head = tl.arange(0, H_PAD)
-    col = head[:, None] * DH + tl.arange(0, DH_PAD)[None, :]
-    col_mask = (head[:, None] < H) & (tl.arange(0, DH_PAD)[None, :] < DH)
+    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
     gq = _load_tile(g_ptr, col, col_mask) * _load_tile(q_ptr, col, col_mask)
+    if pid == 0:
+        tl.store(gq_ptr + col, gq, mask=col_mask)
     dkey = tl.zeros([H_PAD, DH_PAD], tl.float32)
     dnull = tl.zeros([H_PAD, DH_PAD], tl.float32)
     if HAS_NULL:
@@ -129,34 +135,102 @@ def route_bwd_kernel(
     for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
-        mask = (tok < T)[:, None, None] & col_mask[None, :, :]
-        x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
-        dout = _load_tile(dout_ptr, offs, mask)
+        rows = (tok < T)[:, None, None]
+        x_next = _load_row_tile(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+        dout = _load_tile(dout_ptr, offs, rows & col_mask[None, :, :])
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
-        lse = tl.load(lse_ptr + tok[:, None] * H + head[None, :],
-                      mask=(tok < T)[:, None] & (head < H)[None, :], other=float("inf"))
+        stat_offs = tok[:, None] * H + head[None, :]
+        stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+        lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
 
-        total = tl.zeros([BLOCK_T, H_PAD], tl.float32)  # S_h
-        if HAS_NULL:
-            total += _weighted_dot(null, dout, lse, gq, eps, D)
+        total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+        wp_x = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum_n w P rstd x
+        w_x = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum_n w rstd x
         for n in range(0, num_sources):
             x = x_next
-            x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
-            total += _weighted_dot(x, dout, lse, gq, eps, D)
-
-        x_next = _load_source(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+            x_next = _load_row_tile(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
+            rstd, dots, w, p = _read_terms(x, dout, lse, gq, eps, D)
+            w_rstd = w * rstd[:, None]
+            total += w * p
+            wp_x += (w_rstd * p)[:, :, None] * x
+            w_x += w_rstd[:, :, None] * x
         if HAS_NULL:
-            dx, dkey_part = _source_grad(null, dout, total, lse, gq, eps, D)
-            dnull += tl.sum(tl.where(mask, dx, 0.0), 0)
-            dkey += dkey_part
-        for n in range(0, num_sources):
-            x = x_next
-            x_next = _load_source(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
-            dx, dkey_part = _source_grad(x, dout, total, lse, gq, eps, D)
-            dkey += dkey_part
-            dsrc = tl.load(grad_table + n).to(tl.pointer_type(src0_ptr.dtype.element_ty))
-            tl.store(dsrc + offs, dx.to(src0_ptr.dtype.element_ty), mask=mask)
+            rstd, dots, w, p = _read_terms(null, dout, lse, gq, eps, D)
+            total += w * p
+            dlogit = w * (p - total)
+            dlogit_rstd = dlogit * rstd[:, None]
+            norm_coef = rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1)
+            dx = w[:, :, None] * dout + dlogit_rstd[:, :, None] * gq[None, :, :] - norm_coef[:, None, None] * null
+            dnull += tl.sum(tl.where(rows, dx, 0.0), 0)
+            dkey += tl.sum(dlogit_rstd[:, :, None] * null, 0)
+        dkey += tl.sum(wp_x - total[:, :, None] * w_x, 0)
+        tl.store(total_ptr + stat_offs, total, mask=stat_mask)
 
     tl.store(dkey_partial_ptr + pid * D + col, dkey, mask=col_mask)
     if HAS_NULL:
         tl.store(dnull_partial_ptr + pid * D + col, dnull, mask=col_mask)
+
+
+@triton.jit
+def route_source_bwd_kernel(
+    src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
+    num_readers, T, eps,
+    HAS_GRAD_IN: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
+    H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
+    reached it other than through reads). `readers` is a [4, num_readers] address table: rows
+    are each read's output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D])."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
+    offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
+    mask = (tok < T)[:, None, None] & col_mask[None, :, :]
+    stat_offs = tok[:, None] * H + head[None, :]
+    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+
+    x = _load_tile(src_ptr, offs, mask)
+    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + eps)
+    acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum over reads of w dout + dlogit rstd gq
+    norm_sum = tl.zeros([BLOCK_T], tl.float32)  # sum over reads of sum_h dlogit dots
+    dout_next = _load_row_tile(readers, 0, num_readers, dout0_ptr, offs, tok, T, col_mask)
+    for k in range(0, num_readers):
+        dout = dout_next
+        dout_next = _load_row_tile(readers, k + 1, num_readers, dout0_ptr, offs, tok, T, col_mask)
+        lse = tl.load(_address(readers + num_readers, k, num_readers, stat0_ptr) + stat_offs,
+                      mask=stat_mask, other=float("inf"))
+        total = tl.load(_address(readers + 2 * num_readers, k, num_readers, stat0_ptr) + stat_offs,
+                        mask=stat_mask, other=0.0)
+        gq = _load_tile(_address(readers + 3 * num_readers, k, num_readers, stat0_ptr), col, col_mask)
+        dots = tl.sum(x * gq[None, :, :], 2)
+        w = tl.exp(dots * rstd[:, None] - lse)
+        dlogit = w * (tl.sum(dout * x, 2) - total)
+        acc += w[:, :, None] * dout + (dlogit * rstd[:, None])[:, :, None] * gq[None, :, :]
+        norm_sum += tl.sum(dlogit * dots, 1)
+    dx = acc - (rstd * rstd * rstd / D * norm_sum)[:, None, None] * x
+    if HAS_GRAD_IN:
+        dx += _load_tile(grad_in_ptr, offs, mask)
+    tl.store(dsrc_ptr + offs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def route_params_bwd_kernel(
+    dkey_partial_ptr, dnull_partial_ptr, q_ptr, g_ptr, dq_ptr, dg_ptr, dnull_ptr,
+    programs, D,
+    HAS_NULL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Sum the per-program partials in a fixed order; dq = A * g, dg = A * q, dnull = its sum."""
+    col = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = col < D
+    dkey = tl.zeros([BLOCK_D], tl.float32)
+    dnull = tl.zeros([BLOCK_D], tl.float32)
+    for p in range(0, programs):
+        dkey += tl.load(dkey_partial_ptr + p * D + col, mask=mask, other=0.0)
+        if HAS_NULL:
+            dnull += tl.load(dnull_partial_ptr + p * D + col, mask=mask, other=0.0)
+    g = _load_tile(g_ptr, col, mask)
+    q = _load_tile(q_ptr, col, mask)
+    tl.store(dq_ptr + col, (dkey * g).to(dq_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + col, (dkey * q).to(dg_ptr.dtype.element_ty), mask=mask)
+    if HAS_NULL:
+        tl.store(dnull_ptr + col, dnull.to(dnull_ptr.dtype.element_ty), mask=mask)
