@@ -1,0 +1,58 @@
+"""Launch shapes of the routing kernels, swept one kernel at a time on one training step's reads.
+
+    python benchmarks/sweep_launch.py --presets 100M 350M
+
+For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
+per warp) choice of one kernel is timed with the other kernels at their current shape in
+`mhar_hf.ops.routing.fused.LAUNCH`: the forward kernel on the forward alone, the backward
+kernels on forward + backward. Prints milliseconds per choice, best first; the defaults in
+LAUNCH are set from such a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from bench_train import MICRO_BATCH, copy_bandwidth, time_routing
+from mhar_hf import MHARConfig
+from mhar_hf.ops.routing import fused
+
+CHOICES = {
+    "forward": list(itertools.product((1, 2, 4), (256, 512, 1024))),
+    "site": list(itertools.product((1, 2), (128, 256, 512))),
+    "source": list(itertools.product((1, 2, 4, 8), (128, 256, 512))),
+}
+
+
+def full_mode_sites(layers: int) -> list[int]:
+    """Sources per multi-source read of a full-mode model: the MLP read of layer 0, both reads
+    of every later layer, the final read."""
+    return [2] + [n for i in range(1, layers) for n in (2 * i + 1, 2 * i + 2)] + [2 * layers + 1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["100M", "350M"], choices=list(MICRO_BATCH))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    defaults = dict(fused.LAUNCH)
+    for preset in args.presets:
+        config = MHARConfig.from_preset(preset)
+        batch, seq = MICRO_BATCH[preset]
+        sites = full_mode_sites(config.num_hidden_layers)
+        for kind, choices in CHOICES.items():
+            timings = []
+            for choice in choices:
+                fused.LAUNCH[kind] = choice
+                figures = time_routing(sites, False, batch * seq, config.hidden_size, 8, bandwidth)
+                timings.append((figures["fwd_ms" if kind == "forward" else "fwd_bwd_ms"], choice))
+            fused.LAUNCH[kind] = defaults[kind]
+            timings.sort()
+            print(f"{preset} {kind}: " + ", ".join(f"{c} {ms:.3f} ms" for ms, c in timings), flush=True)
+
+
+if __name__ == "__main__":
+    main()
