@@ -47,9 +47,11 @@ def main():
             timings = []
             for choice in choices:
                 fused.LAUNCH[kind] = choice
+                fused._kernel_args.cache_clear()
                 figures = time_routing(sites, False, batch * seq, config.hidden_size, 8, bandwidth)
                 timings.append((figures["fwd_ms" if kind == "forward" else "fwd_bwd_ms"], choice))
             fused.LAUNCH[kind] = defaults[kind]
+            fused._kernel_args.cache_clear()
             timings.sort()
             print(f"{preset} {kind}: " + ", ".join(f"{c} {ms:.3f} ms" for ms, c in timings), flush=True)
 

@@ -277,7 +277,7 @@ def test_kernels_compile_for_sm90():
                                options=dict(num_warps=warps))
         kernel = kernels.route_params_bwd_kernel
         signature = {name: dict(types, D="i32").get(name, "constexpr") for name in kernel.arg_names}
-        triton.compile(ASTSource(kernel, signature, dict(HAS_NULL=True, BLOCK_D=1024)),
+        triton.compile(ASTSource(kernel, signature, dict(HAS_NULL=True, BLOCK_P=64, BLOCK_D=128)),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         print("compiled")
     """)

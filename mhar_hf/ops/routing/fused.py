@@ -25,9 +25,11 @@ SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
-# Launch shape per kernel: token rows per program, and padded tile elements per warp. Token
-# rows > 1 in the source kernel spread its per-read loads of g*q over several rows.
-LAUNCH = {"forward": (1, 512), "site": (1, 256), "source": (4, 256)}
+# Launch shape per kernel: token rows per program, and padded tile elements per warp (from
+# benchmarks/sweep_launch.py on an H200). Several rows per program in the source kernel spread
+# its per-read loads of g*q over them.
+LAUNCH = {"forward": (1, 512), "site": (2, 256), "source": (4, 256)}
+PARTIAL_ROWS = 64  # partial sums the parameter kernel adds per step (in a fixed order)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -41,18 +43,23 @@ def _tile(width: int, num_heads: int) -> dict:
     return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad)
 
 
-def _launch(kind: str, tile: dict) -> dict:
+@functools.cache  # per call this is host time on the critical path; sweep_launch.py clears it
+def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
+    """The tile constants and launch shape (BLOCK_T, num_warps) of one kernel for this width and H."""
+    tile = _tile(width, num_heads)
     rows, per_warp = LAUNCH[kind]
     if _interpreted():
-        return dict(BLOCK_T=INTERPRETER_ROWS, num_warps=4)
+        return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4)
     warps = triton.next_power_of_2(triton.cdiv(rows * tile["H_PAD"] * tile["DH_PAD"], per_warp))
-    return dict(BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
+    return dict(tile, BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
 
 
 @functools.cache
 def _persistent_programs(device: torch.device) -> int:
+    """Programs of the per-read backward, which keeps one partial sum per program: enough to fill
+    every multiprocessor with warps (memory latency is hidden by many loads in flight)."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 16 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2  # the interpreter: several token blocks per program, as on a GPU
 
 
@@ -108,14 +115,13 @@ def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
-    tile = _tile(width, num_heads)
-    launch = _launch("forward", tile)
+    launch = _kernel_args("forward", width, num_heads)
     out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         _address_table(sources, first.device), first, query if null_source is None else null_source,
         query, key_norm_weight, out, lse, len(sources), tokens, eps,
-        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **tile, **launch,
+        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **launch,
     )
     return out, lse
 
@@ -164,14 +170,13 @@ def _source_grad(source, records, grad_in):
         douts = [d.to(douts[0].dtype) for d in douts]
     width = source.shape[-1]
     tokens = source.numel() // width
-    tile = _tile(width, lses[0].shape[-1])
-    launch = _launch("source", tile)
+    launch = _kernel_args("source", width, lses[0].shape[-1])
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         source, _address_table((*douts, *lses, *totals, *gqs), source.device), douts[0], lses[0],
         grad_in if grad_in is not None else grad, grad, len(records), tokens, eps[0],
-        HAS_GRAD_IN=grad_in is not None, **tile, **launch,
+        HAS_GRAD_IN=grad_in is not None, **launch,
     )
     return grad
 
@@ -192,8 +197,7 @@ class FusedRoute(torch.autograd.Function):
         first = sources[0]
         width, device = first.shape[-1], first.device
         tokens = first.numel() // width
-        tile = _tile(width, ctx.num_heads)
-        launch = _launch("site", tile)
+        launch = _kernel_args("site", width, ctx.num_heads)
         programs = min(triton.cdiv(tokens, launch["BLOCK_T"]), _persistent_programs(device))
         has_null = null_source is not None
         grad_out = grad_out.contiguous()
@@ -203,7 +207,7 @@ class FusedRoute(torch.autograd.Function):
         kernels.route_site_bwd_kernel[(programs,)](
             _address_table(sources, device), first, null_source if has_null else query, query, key_norm_weight,
             lse, grad_out, total, gq, partials[0], partials[-1], len(sources), tokens, ctx.eps,
-            HAS_NULL=has_null, **tile, **launch,
+            HAS_NULL=has_null, **launch,
         )
         record = (torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps)
         for node, needs_grad in zip(ctx.source_nodes, ctx.needs_input_grad[5:]):
@@ -213,10 +217,9 @@ class FusedRoute(torch.autograd.Function):
         dquery = _empty(query.shape, dtype=query.dtype, device=device)
         dweight = _empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=device)
         dnull = _empty(null_source.shape, dtype=null_source.dtype, device=device) if has_null else None
-        block = min(triton.next_power_of_2(width), 1024)
-        kernels.route_params_bwd_kernel[(triton.cdiv(width, block),)](
+        kernels.route_params_bwd_kernel[(triton.cdiv(width, 128),)](
             partials[0], partials[-1], query, key_norm_weight, dquery, dweight, dnull if has_null else dquery,
-            programs, width, HAS_NULL=has_null, BLOCK_D=block,
+            programs, width, HAS_NULL=has_null, BLOCK_P=PARTIAL_ROWS, BLOCK_D=128, num_warps=4,
         )
         return (None, None, dquery, dweight, dnull, *([None] * len(sources)))
 
