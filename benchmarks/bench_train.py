@@ -241,7 +241,7 @@ def run(args) -> dict:
                 records = measure_baselines(preset, args)
                 report["training"] += records
                 baselines[preset] = max(records, key=lambda r: r["tokens_per_s"])
-            for label, mode, heads in VARIANTS:
+            for label, mode, heads in (v for v in VARIANTS if v[0] in args.variants):
                 for path in (p for p in paths if p in args.paths):
                     record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path)
                     report["training"].append(record)
@@ -298,6 +298,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(MICRO_BATCH), choices=list(MICRO_BATCH))
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS])
     parser.add_argument("--compile-reference", nargs="*", default=["100M"],
                         help="presets where full H=8 also runs with the reference op compiled (one graph per "
                         "layer, since every layer reads a different number of sources: minutes to build)")

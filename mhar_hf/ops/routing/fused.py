@@ -29,7 +29,6 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # benchmarks/sweep_launch.py on an H200). Several rows per program in the source kernel spread
 # its per-read loads of g*q over them.
 LAUNCH = {"forward": (1, 512), "site": (2, 256), "source": (4, 256)}
-PARTIAL_ROWS = 64  # partial sums the parameter kernel adds per step (in a fixed order)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -214,13 +213,10 @@ class FusedRoute(torch.autograd.Function):
             if node is not None and needs_grad:
                 node.records.append(record)
 
-        dquery = _empty(query.shape, dtype=query.dtype, device=device)
-        dweight = _empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=device)
-        dnull = _empty(null_source.shape, dtype=null_source.dtype, device=device) if has_null else None
-        kernels.route_params_bwd_kernel[(triton.cdiv(width, 128),)](
-            partials[0], partials[-1], query, key_norm_weight, dquery, dweight, dnull if has_null else dquery,
-            programs, width, HAS_NULL=has_null, BLOCK_P=PARTIAL_ROWS, BLOCK_D=128, num_warps=4,
-        )
+        sums = partials.sum(1)  # one deterministic reduction of the per-program partials
+        dquery = (sums[0] * key_norm_weight).to(query.dtype)
+        dweight = (sums[0] * query).to(key_norm_weight.dtype)
+        dnull = sums[1].to(null_source.dtype) if has_null else None
         return (None, None, dquery, dweight, dnull, *([None] * len(sources)))
 
 

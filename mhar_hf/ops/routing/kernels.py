@@ -18,7 +18,8 @@ The backward is split the way autograd visits the model, so that each byte is re
   - `route_source_bwd_kernel` runs once per source, when every read of it has run its
     backward: one pass over the output gradients of those reads gives the source's whole
     gradient, summed in fp32 and written once.
-Nothing is accumulated with atomics: partial sums are per program and summed in a fixed order.
+Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
+with one deterministic reduction.
 """
 
 import triton
@@ -211,28 +212,3 @@ def route_source_bwd_kernel(
     if HAS_GRAD_IN:
         dx += _load_tile(grad_in_ptr, offs, mask)
     tl.store(dsrc_ptr + offs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def route_params_bwd_kernel(
-    dkey_partial_ptr, dnull_partial_ptr, q_ptr, g_ptr, dq_ptr, dg_ptr, dnull_ptr,
-    programs, D,
-    HAS_NULL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Sum the per-program partials in a fixed order; dq = A * g, dg = A * q, dnull = its sum."""
-    col = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dkey = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-    dnull = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-    for start in range(0, programs, BLOCK_P):
-        row = start + tl.arange(0, BLOCK_P)
-        offs = row[:, None] * D + col[None, :]
-        mask = (row < programs)[:, None] & (col < D)[None, :]
-        dkey += tl.load(dkey_partial_ptr + offs, mask=mask, other=0.0)
-        if HAS_NULL:
-            dnull += tl.load(dnull_partial_ptr + offs, mask=mask, other=0.0)
-    mask = col < D
-    a = tl.sum(dkey, 0)
-    tl.store(dq_ptr + col, (a * _load_tile(g_ptr, col, mask)).to(dq_ptr.dtype.element_ty), mask=mask)
-    tl.store(dg_ptr + col, (a * _load_tile(q_ptr, col, mask)).to(dg_ptr.dtype.element_ty), mask=mask)
-    if HAS_NULL:
-        tl.store(dnull_ptr + col, tl.sum(dnull, 0).to(dnull_ptr.dtype.element_ty), mask=mask)
