@@ -82,6 +82,34 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     return None
 
 
+class _PinnedStaging:
+    """The host side of address-table uploads: one pinned buffer used in two halves, so a table
+    the cache does not hold costs a small asynchronous copy, never a pinned allocation (which can
+    take milliseconds) nor a pageable copy (which waits for the GPU to drain its queue)."""
+
+    def __init__(self, entries: int = 1 << 17):
+        self.buffer = torch.empty(2 * entries, dtype=torch.int64, pin_memory=True)
+        self.half, self.offset, self.side = entries, 0, 0
+        self.done = [None, None]  # per half: an event after its last copy
+
+    def upload(self, addresses: tuple[int, ...], device) -> torch.Tensor:
+        count = len(addresses)
+        if count > self.half:
+            return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        if self.offset + count > self.half:  # switch halves; the other one's copies must have run
+            self.done[self.side] = torch.cuda.Event()
+            self.done[self.side].record()
+            self.side, self.offset = 1 - self.side, 0
+            if self.done[self.side] is not None:
+                self.done[self.side].synchronize()
+        start = self.side * self.half + self.offset
+        host = self.buffer[start : start + count]
+        host.numpy()[:] = addresses
+        self.offset += count
+        return host.to(device, non_blocking=True)
+
+
+_staging: dict[torch.device, _PinnedStaging] = {}
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_TABLES = 4096
 
@@ -89,14 +117,16 @@ MAX_TABLES = 4096
 def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     """The tensors' addresses as an int64 tensor on `device`. Tables are kept by content: the
     caching allocator hands a training step the same addresses as the step before, so in the
-    steady state no host-to-device copy is made at all (a blocking one would stall the stream,
-    and a pinned staging buffer per call costs hundreds of microseconds of host time)."""
-    key = (str(device), *(t.data_ptr() for t in tensors))
+    steady state no host-to-device copy is made at all."""
+    key = (device, *(t.data_ptr() for t in tensors))
     table = _tables.get(key)
     if table is None:
-        table = torch.tensor(key[1:], dtype=torch.int64)
         if device.type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
+            with torch.cuda.device(device):
+                staging = _staging.setdefault(device, _PinnedStaging())
+                table = staging.upload(key[1:], device)
+        else:
+            table = torch.tensor(key[1:], dtype=torch.int64)
         _tables[key] = table
         if len(_tables) > MAX_TABLES:
             _tables.popitem(last=False)
