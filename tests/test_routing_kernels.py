@@ -183,6 +183,29 @@ def test_tracked_sources_sum_every_read_and_other_uses(heads=4):
         assert rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
 
 
+def test_reads_with_outputs_of_two_dtypes():
+    """A 16-bit source read by a site whose fp32 null source makes its output fp32 (fp32 routing
+    parameters over 16-bit activations) and by a site without one: both reads reach the source."""
+    from mhar_hf.ops.routing import track
+
+    sources, query, norm_weight, null = routing_inputs(2, 64, 7, dtype=torch.bfloat16, null=True)
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    twins = [s.detach().double().requires_grad_() for s in sources]
+    null = null.float()
+
+    def reads(route_fn, sources, mark, cast):
+        sources = [mark(s) for s in sources]
+        return route_fn(sources, query, norm_weight, 4, EPS, cast(null)), route_fn(sources, query, norm_weight, 4, EPS)
+
+    gated, plain = reads(fused_route, leaves, track, lambda t: t)
+    assert gated.dtype == torch.float32 and plain.dtype == torch.bfloat16
+    (gated.sum() + plain.float().sum()).backward()
+    gated, plain = reads(route_reference, twins, lambda s: s, fp64)
+    (gated.sum() + plain.sum()).backward()
+    for leaf, twin in zip(leaves, twins, strict=True):
+        assert rel_rms(leaf.grad, twin.grad) < TOLERANCE[torch.bfloat16]
+
+
 def test_a_partial_backward_leaves_nothing_behind():
     """autograd.grad on the query alone runs the reads' backward but not the sources': a later
     full backward must not count the records that pass left."""

@@ -12,9 +12,11 @@ up by autograd (DESIGN.md section 4, the source-major backward).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -114,11 +116,11 @@ _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_TABLES = 4096
 
 
-def _address_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """The tensors' addresses as an int64 tensor on `device`. Tables are kept by content: the
-    caching allocator hands a training step the same addresses as the step before, so in the
-    steady state no host-to-device copy is made at all."""
-    key = (device, *(t.data_ptr() for t in tensors))
+def _address_table(addresses: tuple[int, ...], device) -> torch.Tensor:
+    """Tensor addresses as an int64 tensor on `device`. Tables are kept by content: the caching
+    allocator hands a training step the same addresses as the step before, so in the steady
+    state no host-to-device copy is made at all."""
+    key = (device, *addresses)
     table = _tables.get(key)
     if table is None:
         if device.type == "cuda":
@@ -139,6 +141,10 @@ def _contiguous(tensors) -> list[torch.Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
+def _addresses(tensors) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
 def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse):
     sources = _contiguous(sources)
     first = sources[0]
@@ -148,7 +154,7 @@ def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store
     out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        _address_table(sources, first.device), first, query if null_source is None else null_source,
+        _address_table(_addresses(sources), first.device), first, query if null_source is None else null_source,
         query, key_norm_weight, out, lse, len(sources), tokens, eps,
         HAS_NULL=null_source is not None, STORE_LSE=store_lse, **launch,
     )
@@ -172,7 +178,7 @@ class DepthSource(torch.autograd.Function):
         # records of this backward pass only: a pass that stopped short (autograd.grad on a
         # subset of inputs) may have left some that no later pass must count
         task = torch._C._current_graph_task_id()
-        records = [r[1:] for r in ctx.records if r[0] == task]
+        records = [r for r in ctx.records if r.task == task]
         ctx.records.clear()
         if not records:
             return grad_in
@@ -180,42 +186,73 @@ class DepthSource(torch.autograd.Function):
         return _source_grad(source.contiguous(), records, grad_in)
 
 
-def is_tracked(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor.grad_fn, DepthSource._backward_cls)
+_DEPTH_NODE = DepthSource._backward_cls
 
 
 def track(source: torch.Tensor) -> torch.Tensor:
     """`source` marked as a depth source (see DepthSource) when it needs a gradient; else unchanged."""
-    if not (torch.is_grad_enabled() and source.requires_grad) or is_tracked(source):
+    if not (torch.is_grad_enabled() and source.requires_grad) or isinstance(source.grad_fn, _DEPTH_NODE):
         return source
     return DepthSource.apply(source)
 
 
-def _source_grad(source, records, grad_in):
-    douts, lses, totals, gqs, eps = zip(*records)
-    if len(set(eps)) > 1:
-        raise ValueError(f"reads of one source must share one eps (the model's rms_norm_eps); got {sorted(set(eps))}")
-    if len({d.dtype for d in douts}) > 1:  # reads of one source with outputs of mixed dtypes
-        douts = [d.to(douts[0].dtype) for d in douts]
+def _marked(sources) -> tuple[list[torch.Tensor], list]:
+    """Every source marked (as `track` does), and its DepthSource node (None without gradient):
+    one pass, since this runs for every source of every read."""
+    marked, nodes = [], []
+    for source in sources:
+        node = source.grad_fn
+        if not isinstance(node, _DEPTH_NODE):
+            if source.requires_grad:
+                source = DepthSource.apply(source)
+                node = source.grad_fn
+            else:
+                node = None
+        marked.append(source)
+        nodes.append(node)
+    return marked, nodes
+
+
+class ReadRecord(NamedTuple):
+    """What one read's backward leaves with each source it read, for the source kernel."""
+
+    task: int  # the backward pass (graph task) that wrote it
+    dout: torch.Tensor
+    lse: torch.Tensor
+    total: torch.Tensor
+    gq: torch.Tensor
+    eps: float
+    addresses: tuple[int, int, int, int]  # of dout, lse, total, gq: one row of the reader table
+
+    def with_dout(self, dout: torch.Tensor) -> ReadRecord:
+        return self._replace(dout=dout, addresses=(dout.data_ptr(), *self.addresses[1:]))
+
+
+def _source_grad(source, records: list[ReadRecord], grad_in):
+    first = records[0]
+    if any(r.eps != first.eps for r in records):
+        raise ValueError("reads of one source must share one eps (the model's rms_norm_eps); got "
+                         f"{sorted({r.eps for r in records})}")
+    if any(r.dout.dtype != first.dout.dtype for r in records):  # reads whose outputs differ in dtype
+        records = [r.with_dout(r.dout.to(first.dout.dtype)) for r in records]
     width = source.shape[-1]
     tokens = source.numel() // width
-    launch = _kernel_args("source", width, lses[0].shape[-1])
+    launch = _kernel_args("source", width, first.lse.shape[-1])
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
+    readers = _address_table(tuple(itertools.chain.from_iterable(r.addresses for r in records)), source.device)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        source, _address_table((*douts, *lses, *totals, *gqs), source.device), douts[0], lses[0],
-        grad_in if grad_in is not None else grad, grad, len(records), tokens, eps[0],
-        HAS_GRAD_IN=grad_in is not None, **launch,
+        source, readers, records[0].dout, first.lse, grad_in if grad_in is not None else grad, grad,
+        len(records), tokens, first.eps, HAS_GRAD_IN=grad_in is not None, **launch,
     )
     return grad
 
 
 class FusedRoute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, num_heads, eps, query, key_norm_weight, null_source, *sources):
+    def forward(ctx, num_heads, eps, source_nodes, query, key_norm_weight, null_source, *sources):
         out, lse = _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
-        ctx.num_heads, ctx.eps = num_heads, eps
-        ctx.source_nodes = [s.grad_fn if is_tracked(s) else None for s in sources]
+        ctx.num_heads, ctx.eps, ctx.source_nodes = num_heads, eps, source_nodes
         ctx.save_for_backward(query, key_norm_weight, null_source, lse, *sources)
         return out
 
@@ -234,12 +271,13 @@ class FusedRoute(torch.autograd.Function):
         gq = _empty((width,), dtype=torch.float32, device=device)
         partials = _empty((1 + has_null, programs, width), dtype=torch.float32, device=device)
         kernels.route_site_bwd_kernel[(programs,)](
-            _address_table(sources, device), first, null_source if has_null else query, query, key_norm_weight,
+            _address_table(_addresses(sources), device), first, null_source if has_null else query, query, key_norm_weight,
             lse, grad_out, total, gq, partials[0], partials[-1], len(sources), tokens, ctx.eps,
             HAS_NULL=has_null, **launch,
         )
-        record = (torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps)
-        for node, needs_grad in zip(ctx.source_nodes, ctx.needs_input_grad[5:]):
+        record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
+                            _addresses((grad_out, lse, total, gq)))
+        for node, needs_grad in zip(ctx.source_nodes, ctx.needs_input_grad[6:]):
             if node is not None and needs_grad:
                 node.records.append(record)
 
@@ -247,7 +285,7 @@ class FusedRoute(torch.autograd.Function):
         dquery = (sums[0] * key_norm_weight).to(query.dtype)
         dweight = (sums[0] * query).to(key_norm_weight.dtype)
         dnull = sums[1].to(null_source.dtype) if has_null else None
-        return (None, None, dquery, dweight, dnull, *([None] * len(sources)))
+        return (None, None, None, dquery, dweight, dnull, *([None] * len(sources)))
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
@@ -270,5 +308,6 @@ def fused_route(
         return null_source
     inputs = (query, key_norm_weight, null_source, *sources)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return FusedRoute.apply(num_heads, eps, query, key_norm_weight, null_source, *map(track, sources))
+        marked, nodes = _marked(sources)
+        return FusedRoute.apply(num_heads, eps, nodes, query, key_norm_weight, null_source, *marked)
     return _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]

@@ -32,16 +32,24 @@ def _load_tile(ptr, offs, mask):
 
 
 @triton.jit
-def _address(table, i, count, like_ptr):
-    """Entry i of an address table as a pointer of like_ptr's type (entry count-1 past the end)."""
-    return tl.load(table + tl.minimum(i, count - 1)).to(tl.pointer_type(like_ptr.dtype.element_ty))
+def _address(table, i, count, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
+    """Entry (i, FIELD) of an address table of `count` rows of STRIDE entries, as a pointer of
+    like_ptr's type (row count-1 once i runs past the end)."""
+    entry = table + STRIDE * tl.minimum(i, count - 1) + FIELD
+    return tl.load(entry).to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _load_rows(ptr, valid, offs, tok, T, col_mask):
+    """Token rows of a [T, D] tensor as an fp32 tile; zeros when not `valid` (past a table's end)."""
+    rows = T * valid
+    return _load_tile(ptr, offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
 
 
 @triton.jit
 def _load_row_tile(table, i, count, like_ptr, offs, tok, T, col_mask):
     """Token rows of tensor i of an address table as an fp32 tile (zeros once i runs past the table)."""
-    rows = T * (i < count)  # no row is read past the table
-    return _load_tile(_address(table, i, count, like_ptr), offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
+    return _load_rows(_address(table, i, count, like_ptr), i < count, offs, tok, T, col_mask)
 
 
 @triton.jit
@@ -181,8 +189,8 @@ def route_source_bwd_kernel(
     H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
-    reached it other than through reads). `readers` is a [4, num_readers] address table: rows
-    are each read's output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D])."""
+    reached it other than through reads). `readers` is a [num_readers, 4] address table: per
+    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D])."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
     offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
@@ -194,15 +202,15 @@ def route_source_bwd_kernel(
     rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + eps)
     acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum over reads of w dout + dlogit rstd gq
     norm_sum = tl.zeros([BLOCK_T], tl.float32)  # sum over reads of sum_h dlogit dots
-    dout_next = _load_row_tile(readers, 0, num_readers, dout0_ptr, offs, tok, T, col_mask)
+    dout_next = _load_rows(_address(readers, 0, num_readers, dout0_ptr, 4, 0), 0 < num_readers, offs, tok, T, col_mask)
     for k in range(0, num_readers):
         dout = dout_next
-        dout_next = _load_row_tile(readers, k + 1, num_readers, dout0_ptr, offs, tok, T, col_mask)
-        lse = tl.load(_address(readers + num_readers, k, num_readers, stat0_ptr) + stat_offs,
-                      mask=stat_mask, other=float("inf"))
-        total = tl.load(_address(readers + 2 * num_readers, k, num_readers, stat0_ptr) + stat_offs,
-                        mask=stat_mask, other=0.0)
-        gq = _load_tile(_address(readers + 3 * num_readers, k, num_readers, stat0_ptr), col, col_mask)
+        dout_next = _load_rows(_address(readers, k + 1, num_readers, dout0_ptr, 4, 0), k + 1 < num_readers,
+                               offs, tok, T, col_mask)
+        lse = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
+                      other=float("inf"))
+        total = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
+        gq = _load_tile(_address(readers, k, num_readers, stat0_ptr, 4, 3), col, col_mask)
         dots = tl.sum(x * gq[None, :, :], 2)
         w = tl.exp(dots * rstd[:, None] - lse)
         dlogit = w * (tl.sum(dout * x, 2) - total)

@@ -1,0 +1,73 @@
+"""Host time the fused routing path adds to a training step, measured without a GPU.
+
+    python benchmarks/host_overhead.py --preset 350M
+
+At the paper's micro-batches the MHAR step is bound by the host (BENCHMARKS.md), so the Python
+work around each routing kernel matters. This runs a model with a preset's layer count but a
+tiny width and a few tokens on the CPU, with every routing kernel launch replaced by a no-op
+(the Triton interpreter mode only lets the fused path accept CPU tensors), and compares the step
+time with the same model in `standard` mode, which has no routing at all. The difference, per
+routing site, is the host cost of dispatch, autograd functions, address tables and bookkeeping;
+the Triton launch itself (tens of microseconds on a GPU) is not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # lets the fused path take CPU tensors; set before triton loads
+
+import torch  # noqa: E402
+
+from mhar_hf import MHARConfig, MHARForCausalLM  # noqa: E402
+from mhar_hf.ops.routing import fused  # noqa: E402
+
+KERNELS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel")
+
+
+class NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def step_ms(mode: str, preset: str, steps: int) -> tuple[float, int]:
+    config = MHARConfig.from_preset(
+        preset, residual_mode=mode, routing_implementation="fused", hidden_size=64, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128,
+    )
+    torch.manual_seed(0)
+    model = MHARForCausalLM(config)
+    ids = torch.randint(0, 128, (1, 8))
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    for _ in range(3):
+        step()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sites = sum(1 for m in model.modules() if type(m).__name__ == "MHARRouter")
+    return (time.perf_counter() - began) * 1e3 / steps, sites
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="350M", choices=["100M", "350M", "1B"])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    for name in KERNELS:
+        setattr(fused.kernels, name, NoLaunch())
+    fused._empty = torch.zeros  # what the skipped kernels would have written
+    torch.set_num_threads(1)
+    plain, _ = step_ms("standard", args.preset, args.steps)
+    for mode in ("full", "block", "delta"):
+        routed, sites = step_ms(mode, args.preset, args.steps)
+        print(f"{args.preset} {mode}: step {routed:.2f} ms vs standard {plain:.2f} ms: "
+              f"routing host time {routed - plain:.2f} ms per step, {1e3 * (routed - plain) / sites:.0f} us per site")
+
+
+if __name__ == "__main__":
+    main()
