@@ -27,9 +27,10 @@ SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
-# Launch shape per kernel: token rows per program, and padded tile elements per warp (from
-# benchmarks/sweep_launch.py on an H200). Several rows per program in the source kernel spread
-# its per-read loads of g*q over them.
+# Launch shape per kernel: token rows per program, and padded tile elements per warp (picked
+# from a benchmarks/sweep_launch.py run on an H200 whose timings still included host time:
+# worth a re-sweep). Several rows per program in the source kernel spread its per-read loads
+# of g*q over them.
 LAUNCH = {"forward": (1, 512), "site": (2, 256), "source": (4, 256)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
