@@ -39,6 +39,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache  # called for every read
 def _tile(width: int, num_heads: int) -> dict:
     head_width = width // num_heads
     h_pad, dh_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_width)
@@ -231,17 +232,22 @@ class ReadRecord(NamedTuple):
 
 def _source_grad(source, records: list[ReadRecord], grad_in):
     first = records[0]
-    if any(r.eps != first.eps for r in records):
-        raise ValueError("reads of one source must share one eps (the model's rms_norm_eps); got "
-                         f"{sorted({r.eps for r in records})}")
-    if any(r.dout.dtype != first.dout.dtype for r in records):  # reads whose outputs differ in dtype
-        records = [r.with_dout(r.dout.to(first.dout.dtype)) for r in records]
+    addresses, kinds = [], set()
+    for r in records:
+        addresses += r.addresses
+        kinds.add((r.eps, r.dout.dtype))
+    if len(kinds) > 1:
+        if len({eps for eps, _ in kinds}) > 1:
+            raise ValueError("reads of one source must share one eps (the model's rms_norm_eps); got "
+                             f"{sorted({eps for eps, _ in kinds})}")
+        records = [r.with_dout(r.dout.to(first.dout.dtype)) for r in records]  # outputs of mixed dtypes
+        addresses = list(itertools.chain.from_iterable(r.addresses for r in records))
     width = source.shape[-1]
     tokens = source.numel() // width
     launch = _kernel_args("source", width, first.lse.shape[-1])
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
-    readers = _address_table(tuple(itertools.chain.from_iterable(r.addresses for r in records)), source.device)
+    readers = _address_table(tuple(addresses), source.device)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         source, readers, records[0].dout, first.lse, grad_in if grad_in is not None else grad, grad,
         len(records), tokens, first.eps, HAS_GRAD_IN=grad_in is not None, **launch,
