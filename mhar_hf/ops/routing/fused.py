@@ -199,20 +199,9 @@ def track(source: torch.Tensor) -> torch.Tensor:
 
 
 def _marked(sources) -> tuple[list[torch.Tensor], list]:
-    """Every source marked (as `track` does), and its DepthSource node (None without gradient):
-    one pass, since this runs for every source of every read."""
-    marked, nodes = [], []
-    for source in sources:
-        node = source.grad_fn
-        if not isinstance(node, _DEPTH_NODE):
-            if source.requires_grad:
-                source = DepthSource.apply(source)
-                node = source.grad_fn
-            else:
-                node = None
-        marked.append(source)
-        nodes.append(node)
-    return marked, nodes
+    """Every source marked (see `track`), and its DepthSource node (None without gradient)."""
+    marked = [track(source) for source in sources]
+    return marked, [s.grad_fn if isinstance(s.grad_fn, _DEPTH_NODE) else None for s in marked]
 
 
 class ReadRecord(NamedTuple):
@@ -249,7 +238,7 @@ def _source_grad(source, records: list[ReadRecord], grad_in):
     grad_in = grad_in.contiguous() if grad_in is not None else None
     readers = _address_table(tuple(addresses), source.device)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        source, readers, records[0].dout, first.lse, grad_in if grad_in is not None else grad, grad,
+        source, readers, first.dout, first.lse, grad_in if grad_in is not None else grad, grad,
         len(records), tokens, first.eps, HAS_GRAD_IN=grad_in is not None, **launch,
     )
     return grad
