@@ -6,13 +6,18 @@ Runs the harness of `bench_train.py` (same shapes, regional compile, fused AdamW
 PyTorch profiler and prints, for each model, the time of a step (unprofiled, then profiled), the GPU
 time summed over its kernels (a gap between step and GPU time is time the GPU waited for the
 host), and the kernels that take the most GPU time. The routing kernels' share says how much
-a faster kernel can still win.
+a faster kernel can still win. `--host N` adds the N Python functions that take the most host
+time in a step (cProfile) and counts the calls that made the host wait for the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,6 +55,29 @@ def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path
     return "\n".join(lines)
 
 
+def host_profile(model, batch: int, seq: int, steps: int, top: int) -> str:
+    """Host time per function over `steps` steps (cProfile, so every Python call costs a little
+    more than unprofiled), and the steps' synchronising calls (CUDA sync debug mode)."""
+    step = training_step(model, batch, seq)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    with warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        profiler.disable()
+        torch.cuda.set_sync_debug_mode("default")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    sync_lines = sorted({str(w.message).splitlines()[0][:160] for w in syncs})
+    return (f"host: {len(syncs)} synchronising calls in {steps} steps {sync_lines}\n"
+            + out.getvalue().split("Ordered by")[-1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="100M", choices=list(MICRO_BATCH))
@@ -57,6 +85,7 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host", type=int, default=0, help="also print the N functions with the most host time")
     parser.add_argument("--trace", type=Path, help="write the MHAR model's profiler trace (Chrome JSON) here")
     args = parser.parse_args()
     batch, seq = MICRO_BATCH[args.preset]
@@ -67,6 +96,8 @@ def main():
         print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}")
         trace = args.trace if mode != "standard" else None
         print(profile_steps(model, batch, seq, args.steps, args.top, trace), flush=True)
+        if args.host:
+            print(host_profile(model, batch, seq, args.steps, args.host), flush=True)
         del model
         torch.cuda.empty_cache()
 
