@@ -131,8 +131,10 @@ def time_routing(sites: list[int], gated: bool, tokens: int, width: int, heads: 
     grad = torch.randn(tokens, width, **bf16)
     params = [query, norm_weight] + ([null] if gated else [])
 
-    def forward():  # sources marked once per step, as the model does where it makes them
-        tracked = [track(s) for s in sources]
+    def forward():  # sources marked once per step and chained, as the model marks them where it makes them
+        tracked = []
+        for s in sources:
+            tracked.append(track(s, after=tracked[-1] if tracked else None))
         return [fused_route(tracked[: n - gated], query, norm_weight, heads, 1e-6, null) for n in sites]
 
     def forward_backward():

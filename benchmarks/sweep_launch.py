@@ -22,7 +22,7 @@ from mhar_hf.ops.routing import fused
 
 CHOICES = {
     "forward": list(itertools.product((1, 2, 4), (256, 512, 1024))),
-    "site": list(itertools.product((1, 2), (128, 256, 512))),
+    "site": list(itertools.product((1, 2, 4), (128, 256, 512))),
     "source": list(itertools.product((1, 2, 4, 8), (128, 256, 512))),
 }
 

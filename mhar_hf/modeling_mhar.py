@@ -187,9 +187,10 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def mlp_sublayer(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(hidden_states))
 
-    def depth_source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor routing sites will read, marked where it is made (see `routing.track`)."""
-        return track(tensor, self.routing_implementation)
+    def depth_source(self, tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+        """A tensor routing sites will read, marked where it is made, after the depth source made
+        before it (see `routing.track`)."""
+        return track(tensor, self.routing_implementation, after)
 
     def _forward_standard(self, hidden, attend):
         hidden = hidden + attend(hidden)
@@ -197,26 +198,27 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
 
     def _forward_full(self, sources, attend):
         hidden = self.attn_router(sources) if self.attn_router is not None else sources[0]
-        sources = (*sources, self.depth_source(attend(hidden)))
-        return (*sources, self.depth_source(self.mlp_sublayer(self.mlp_router(sources))))
+        sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
+        return (*sources, self.depth_source(self.mlp_sublayer(self.mlp_router(sources)), after=sources[-1]))
 
     def _forward_block(self, residual, attend):
-        blocks, running = residual
-        hidden = self.attn_router((*blocks, running)) if self.attn_router is not None else running
+        blocks, newest = residual
+        hidden = self.attn_router((*blocks, newest)) if self.attn_router is not None else newest
         attn_out = attend(hidden)
         if self.starts_block:
-            blocks, running = (*blocks, running), attn_out
+            blocks, running = (*blocks, newest), attn_out
         else:
-            running = running + attn_out
-        running = self.depth_source(running)
+            running = newest + attn_out
+        running = self.depth_source(running, after=newest)
         mlp_out = self.mlp_sublayer(self.mlp_router((*blocks, running)))
-        return blocks, self.depth_source(running + mlp_out)
+        return blocks, self.depth_source(running + mlp_out, after=running)
 
     def _forward_delta(self, residual, attend):
         stream, blocks, boundary = residual
         hidden = stream + self.attn_router(blocks) if self.attn_router is not None else stream
         if self.starts_block:
-            blocks = (*blocks, self.depth_source(stream - boundary if blocks else stream))
+            delta = stream - boundary if blocks else stream
+            blocks = (*blocks, self.depth_source(delta, after=blocks[-1] if blocks else None))
             boundary = stream
         stream = stream + attend(hidden)
         stream = stream + self.mlp_sublayer(stream + self.mlp_router(blocks))

@@ -113,18 +113,20 @@ def route(
     return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source)
 
 
-def track(source: torch.Tensor, implementation: str = "auto") -> torch.Tensor:
-    """Mark a tensor that routing reads will use, where it is made (a depth source).
+def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:
+    """Mark a tensor that routing reads will use, where it is made (a depth source); `after` is
+    the depth source made just before it (None for the first).
 
     On the fused path the kernels then compute its gradient once, from all its reads, instead
-    of once per read; marking where the tensor is made (not at its first read) also keeps a
-    layer recomputed under activation checkpointing identical to its first run. Elsewhere (the
-    reference path, no gradient) the tensor comes back unchanged.
+    of once per read, and a read of sources marked in a chain costs the host the same however
+    many sources it reads. Marking where the tensor is made (not at its first read) also keeps
+    a layer recomputed under activation checkpointing identical to its first run. Elsewhere
+    (the reference path, no gradient) the tensor comes back unchanged.
     """
     if not (torch.is_grad_enabled() and source.requires_grad):
         return source
     kernels = _kernels_for(implementation, source)
-    return kernels.track(source) if kernels is not None else source
+    return kernels.track(source, after) if kernels is not None else source
 
 
 def _kernels_for(implementation: str, tensor: torch.Tensor):

@@ -160,27 +160,51 @@ def test_gated_router_gradients_match_fp64_reference():
         assert rel_rms(s.grad, t.grad) < 1e-5
 
 
-def test_tracked_sources_sum_every_read_and_other_uses(heads=4):
-    """Sources read by several sites with different queries, and used elsewhere too: each gets
-    its whole gradient from one source-kernel launch, equal to the fp64 reference's."""
+def chained(mark):
+    """Marks each source after the one before it, as the model does."""
+
+    def mark_all(sources):
+        marked = []
+        for s in sources:
+            marked.append(mark(s, after=marked[-1] if marked else None))
+        return marked
+
+    return mark_all
+
+
+@pytest.mark.parametrize("marking", ["chained", "separately"])
+def test_tracked_sources_sum_every_read_and_other_uses(spies, marking, heads=4):
+    """Sources read by several sites with different queries, and used elsewhere too, match the
+    fp64 reference. Marked in a chain, each gets its whole gradient from one source-kernel
+    launch and a read takes one autograd input for all its sources; marked separately (not in
+    the order autograd needs), each read marks its sources again: more launches, same result."""
     from mhar_hf.ops.routing import track
 
-    def model(route_fn, sources, params, mark):
-        sources = [mark(s) for s in sources]
+    _, _, source_kernel = spies
+
+    def model(route_fn, sources, params, mark_all):
+        sources = mark_all(sources)
         reads = [route_fn(sources[:n], q, g, heads, EPS, null) for n, (q, g, null) in zip((2, 3, 4), params)]
-        return reads[0] * reads[1] + reads[2] + sources[1] * 3  # the last term: a use that is not a read
+        return reads, reads[0] * reads[1] + reads[2] + sources[1] * 3  # the last term: a use that is not a read
 
     sources, _, _, _ = routing_inputs(4, 64, 11, batch=2)
     params = [routing_inputs(4, 64, 11, null=i == 1)[1:] for i in range(3)]
     leaves = [s.detach().clone().requires_grad_() for s in sources]
     twins = [s.detach().double().requires_grad_() for s in sources]
-    fused_out = model(fused_route, leaves, params, track)
-    reference_out = model(route_reference, twins, [[fp64(t) for t in p] for p in params], lambda s: s)
+    mark_all = chained(track) if marking == "chained" else (lambda ss: [track(s) for s in ss])
+    reads, fused_out = model(fused_route, leaves, params, mark_all)
+    _, reference_out = model(route_reference, twins, [[fp64(t) for t in p] for p in params], lambda ss: ss)
     grad_out = torch.randn_like(reference_out)
     fused_out.backward(grad_out.float())
     reference_out.backward(grad_out)
     for i, (leaf, twin) in enumerate(zip(leaves, twins, strict=True)):
         assert rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
+    if marking == "chained":
+        assert source_kernel.launches == 4
+        # query, key-norm weight, null source where there is one, and the newest source
+        assert [len(r.grad_fn.next_functions) for r in reads] == [3, 4, 3]
+    else:
+        assert source_kernel.launches == 2 + 3 + 4
 
 
 def test_reads_with_outputs_of_two_dtypes():
@@ -253,15 +277,22 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
     assert forward.launches == 1
 
 
-def test_model_routes_every_multi_source_site_through_the_kernels(spies):
+# (mode, reads, sources) of the 4-layer, 2-block tiny model. full: every attention router but
+# layer 0's, every MLP router and the final one read; the embedding and every sublayer output
+# are sources. block: the same reads; the embedding and the running sum after every sublayer.
+# delta: no final read; the two block deltas.
+MODEL_READS = [("full", 8, 9), ("block", 8, 9), ("delta", 7, 2)]
+
+
+@pytest.mark.parametrize("mode, reads, sources", MODEL_READS)
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source = spies
-    model = MHARForCausalLM(tiny_config(residual_mode="full", routing_implementation="fused")).to(DEVICE)
+    model = MHARForCausalLM(tiny_config(residual_mode=mode, routing_implementation="fused")).to(DEVICE)
     model(torch.randint(0, 384, (1, 6), device=DEVICE)).logits.sum().backward()
-    sites = 2 * 4 - 1 + 1  # every attention router but layer 0's, every MLP router, the final router
-    # each source (the embedding, every sublayer output) gets its gradient from one launch, for all its reads
-    assert (forward.launches, site.launches, source.launches) == (sites, sites, 2 * 4 + 1)
+    # each source gets its gradient from one launch, for all its reads: none was marked again
+    assert (forward.launches, site.launches, source.launches) == (reads, reads, sources)
 
 
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):

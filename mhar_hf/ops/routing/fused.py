@@ -27,11 +27,11 @@ SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
-# Launch shape per kernel: token rows per program, and padded tile elements per warp (picked
-# from a benchmarks/sweep_launch.py run on an H200 whose timings still included host time:
-# worth a re-sweep). Several rows per program in the source kernel spread its per-read loads
-# of g*q over them.
-LAUNCH = {"forward": (1, 512), "site": (2, 256), "source": (4, 256)}
+# Launch shape per kernel: token rows per program, and padded tile elements per warp, from a
+# benchmarks/sweep_launch.py run (kernels' GPU time, H200, full H = 8 at 350M and 1B): one row
+# per program and 512 elements per warp came first or within 4 % of the first for every kernel;
+# all the shapes swept lie within 15 % of each other.
+LAUNCH = {"forward": (1, 512), "site": (1, 512), "source": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -96,7 +96,7 @@ class _PinnedStaging:
         self.half, self.offset, self.side = entries, 0, 0
         self.done = [None, None]  # per half: an event after its last copy
 
-    def upload(self, addresses: tuple[int, ...], device) -> torch.Tensor:
+    def upload(self, addresses: Sequence[int], device) -> torch.Tensor:
         count = len(addresses)
         if count > self.half:
             return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
@@ -118,20 +118,22 @@ _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_TABLES = 4096
 
 
+def _upload(addresses: Sequence[int], device) -> torch.Tensor:
+    """Tensor addresses as an int64 tensor on `device`, copied without waiting for the GPU."""
+    if device.type != "cuda":
+        return torch.tensor(addresses, dtype=torch.int64)
+    with torch.cuda.device(device):
+        return _staging.setdefault(device, _PinnedStaging()).upload(addresses, device)
+
+
 def _address_table(addresses: tuple[int, ...], device) -> torch.Tensor:
-    """Tensor addresses as an int64 tensor on `device`. Tables are kept by content: the caching
-    allocator hands a training step the same addresses as the step before, so in the steady
-    state no host-to-device copy is made at all."""
+    """`_upload`, kept by content: the caching allocator hands a training step the same source
+    addresses as the step before, so in the steady state a read's table is never copied again.
+    (The source kernel's reader tables change every step: they are uploaded, not kept.)"""
     key = (device, *addresses)
     table = _tables.get(key)
     if table is None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                staging = _staging.setdefault(device, _PinnedStaging())
-                table = staging.upload(key[1:], device)
-        else:
-            table = torch.tensor(key[1:], dtype=torch.int64)
-        _tables[key] = table
+        table = _tables[key] = _upload(addresses, device)
         if len(_tables) > MAX_TABLES:
             _tables.popitem(last=False)
     else:
@@ -147,8 +149,7 @@ def _addresses(tensors) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in tensors)
 
 
-def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse):
-    sources = _contiguous(sources)
+def _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse):
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
@@ -156,11 +157,35 @@ def _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store
     out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        _address_table(_addresses(sources), first.device), first, query if null_source is None else null_source,
+        table, first, query if null_source is None else null_source,
         query, key_norm_weight, out, lse, len(sources), tokens, eps,
         HAS_NULL=null_source is not None, STORE_LSE=store_lse, **launch,
     )
     return out, lse
+
+
+class _Chain:
+    """Marks linked in the order they were made. Each mark takes the one before it as an input,
+    so autograd runs a mark's backward only after every later mark's: a read then needs one
+    autograd input, its newest source's mark, for all of its sources to wait for it.
+
+    A mark made after one that is not its chain's newest (a layer recomputed under activation
+    checkpointing does that) starts a branch: a new chain whose `parent` is where it leaves."""
+
+    __slots__ = ("tip", "parent")
+
+    def __init__(self, parent: tuple[_Chain, int] | None = None):
+        self.tip, self.parent = -1, parent
+
+
+def _precedes(node, newest) -> bool:
+    """Whether mark `node` is `newest` or one autograd visits after it (on its chain or a parent)."""
+    chain, limit = newest.chain, newest.position
+    while chain is not None:
+        if node.chain is chain:
+            return node.position <= limit
+        chain, limit = chain.parent or (None, None)
+    return False
 
 
 class DepthSource(torch.autograd.Function):
@@ -169,9 +194,9 @@ class DepthSource(torch.autograd.Function):
     gradient that reached the tensor any other way."""
 
     @staticmethod
-    def forward(ctx, source):
+    def forward(ctx, source, previous, chain, position):
         ctx.set_materialize_grads(False)  # reads return no gradient for it: no zeros to add
-        ctx.records = []
+        ctx.records, ctx.chain, ctx.position = [], chain, position
         ctx.save_for_backward(source)
         return source.view_as(source)
 
@@ -183,25 +208,55 @@ class DepthSource(torch.autograd.Function):
         records = [r for r in ctx.records if r.task == task]
         ctx.records.clear()
         if not records:
-            return grad_in
+            return grad_in, None, None, None
         (source,) = ctx.saved_tensors
-        return _source_grad(source.contiguous(), records, grad_in)
+        return _source_grad(source.contiguous(), records, grad_in), None, None, None
 
 
 _DEPTH_NODE = DepthSource._backward_cls
 
 
-def track(source: torch.Tensor) -> torch.Tensor:
-    """`source` marked as a depth source (see DepthSource) when it needs a gradient; else unchanged."""
+def _mark(source: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+    """A new mark of `source`, linked after the mark `after` (a new chain when there is none)."""
+    node = after.grad_fn if after is not None else None
+    if not isinstance(node, _DEPTH_NODE):
+        chain, after = _Chain(), None
+    elif node.chain.tip == node.position:
+        chain = node.chain
+    else:
+        chain = _Chain(parent=(node.chain, node.position))
+    chain.tip += 1
+    return DepthSource.apply(source, after, chain, chain.tip)
+
+
+def track(source: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
+    """`source` marked as a depth source (see DepthSource) when it needs a gradient, linked after
+    `after`, the depth source made just before it; else `source` unchanged."""
     if not (torch.is_grad_enabled() and source.requires_grad) or isinstance(source.grad_fn, _DEPTH_NODE):
         return source
-    return DepthSource.apply(source)
+    return _mark(source, after)
 
 
-def _marked(sources) -> tuple[list[torch.Tensor], list]:
-    """Every source marked (see `track`), and its DepthSource node (None without gradient)."""
-    marked = [track(source) for source in sources]
-    return marked, [s.grad_fn if isinstance(s.grad_fn, _DEPTH_NODE) else None for s in marked]
+def _on_one_chain(sources) -> tuple[tuple, list, torch.Tensor | None]:
+    """The sources with every one that needs a gradient marked on one chain, their marks (None
+    where no gradient is needed), and the newest marked source (None when there is none). Sources
+    marked where they were made, newest last (the model's), come back as they are; others are
+    marked here."""
+    nodes = [s.grad_fn if s.requires_grad else None for s in sources]
+    needing = [i for i, s in enumerate(sources) if s.requires_grad]
+    if not needing:
+        return sources, nodes, None
+    newest = nodes[needing[-1]]
+    if isinstance(newest, _DEPTH_NODE) and all(
+        isinstance(nodes[i], _DEPTH_NODE) and _precedes(nodes[i], newest) for i in needing
+    ):
+        return sources, nodes, sources[needing[-1]]
+    marked, previous = [], None
+    for s in sources:
+        if s.requires_grad:
+            s = previous = _mark(s, previous)
+        marked.append(s)
+    return tuple(marked), [s.grad_fn if s.requires_grad else None for s in marked], previous
 
 
 class ReadRecord(NamedTuple):
@@ -236,7 +291,7 @@ def _source_grad(source, records: list[ReadRecord], grad_in):
     launch = _kernel_args("source", width, first.lse.shape[-1])
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
-    readers = _address_table(tuple(addresses), source.device)
+    readers = _upload(addresses, source.device)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         source, readers, first.dout, first.lse, grad_in if grad_in is not None else grad, grad,
         len(records), tokens, first.eps, HAS_GRAD_IN=grad_in is not None, **launch,
@@ -245,18 +300,24 @@ def _source_grad(source, records: list[ReadRecord], grad_in):
 
 
 class FusedRoute(torch.autograd.Function):
+    """One read. The sources come as one tuple, not as autograd inputs: the read returns no
+    gradient for them (their marks compute it from its record), and its one source input, the
+    newest mark, orders every mark's backward after its own (see _Chain)."""
+
     @staticmethod
-    def forward(ctx, num_heads, eps, source_nodes, query, key_norm_weight, null_source, *sources):
-        out, lse = _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
-        ctx.num_heads, ctx.eps, ctx.source_nodes = num_heads, eps, source_nodes
-        ctx.save_for_backward(query, key_norm_weight, null_source, lse, *sources)
+    def forward(ctx, num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest):
+        sources = _contiguous(sources)
+        table = _address_table(_addresses(sources), sources[0].device)
+        out, lse = _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
+        # the sources themselves are held, not saved: the table points at them
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.nodes, ctx.table = num_heads, eps, sources, nodes, table
+        ctx.save_for_backward(query, key_norm_weight, null_source, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, lse, *sources = ctx.saved_tensors
-        sources = _contiguous(sources)
-        first = sources[0]
+        query, key_norm_weight, null_source, lse = ctx.saved_tensors
+        first = ctx.sources[0]
         width, device = first.shape[-1], first.device
         tokens = first.numel() // width
         launch = _kernel_args("site", width, ctx.num_heads)
@@ -267,21 +328,21 @@ class FusedRoute(torch.autograd.Function):
         gq = _empty((width,), dtype=torch.float32, device=device)
         partials = _empty((1 + has_null, programs, width), dtype=torch.float32, device=device)
         kernels.route_site_bwd_kernel[(programs,)](
-            _address_table(_addresses(sources), device), first, null_source if has_null else query, query, key_norm_weight,
-            lse, grad_out, total, gq, partials[0], partials[-1], len(sources), tokens, ctx.eps,
+            ctx.table, first, null_source if has_null else query, query, key_norm_weight,
+            lse, grad_out, total, gq, partials[0], partials[-1], len(ctx.sources), tokens, ctx.eps,
             HAS_NULL=has_null, **launch,
         )
         record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
                             _addresses((grad_out, lse, total, gq)))
-        for node, needs_grad in zip(ctx.source_nodes, ctx.needs_input_grad[6:]):
-            if node is not None and needs_grad:
+        for node in ctx.nodes:
+            if node is not None:
                 node.records.append(record)
 
         sums = partials.sum(1)  # one deterministic reduction of the per-program partials
         dquery = (sums[0] * key_norm_weight).to(query.dtype)
         dweight = (sums[0] * query).to(key_norm_weight.dtype)
         dnull = sums[1].to(null_source.dtype) if has_null else None
-        return (None, None, None, dquery, dweight, dnull, *([None] * len(sources)))
+        return None, None, None, None, dquery, dweight, dnull, None
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
@@ -295,8 +356,9 @@ def fused_route(
 ) -> torch.Tensor:
     """`route_reference` computed by the Triton kernels (same arguments, same result).
 
-    Sources marked with `track` where they are made get their gradient computed once, from all
-    their reads; others are marked here, per call (correct, but one source kernel per read)."""
+    Sources marked with `track` where they are made, each after the one made before it, get
+    their gradient computed once, from all their reads; others are marked here, per call
+    (correct, but one source kernel per read)."""
     sources = tuple(sources)
     if null_source is None and len(sources) == 1:
         return sources[0]
@@ -304,6 +366,8 @@ def fused_route(
         return null_source
     inputs = (query, key_norm_weight, null_source, *sources)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        marked, nodes = _marked(sources)
-        return FusedRoute.apply(num_heads, eps, nodes, query, key_norm_weight, null_source, *marked)
-    return _forward(sources, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]
+        sources, nodes, newest = _on_one_chain(sources)
+        return FusedRoute.apply(num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest)
+    sources = _contiguous(sources)
+    table = _address_table(_addresses(sources), sources[0].device)
+    return _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]
