@@ -319,7 +319,7 @@ def test_kernels_compile_for_sm90():
                      q_ptr="*bf16", g_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
                      grad_in_ptr="*bf16", dsrc_ptr="*bf16",
                      lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
-                     dkey_partial_ptr="*fp32", dnull_partial_ptr="*fp32",
+                     partial_ptr="*fp32",
                      num_sources="i32", num_readers="i32", T="i32", eps="fp32")
         flags = dict(HAS_NULL=True, STORE_LSE=True, HAS_GRAD_IN=True)
         for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2)):

@@ -326,10 +326,11 @@ class FusedRoute(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         total = _empty((tokens, ctx.num_heads), dtype=torch.float32, device=device)
         gq = _empty((width,), dtype=torch.float32, device=device)
-        partials = _empty((1 + has_null, programs, width), dtype=torch.float32, device=device)
+        params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
+        partials = _empty((len(params), programs, width), dtype=torch.float32, device=device)
         kernels.route_site_bwd_kernel[(programs,)](
             ctx.table, first, null_source if has_null else query, query, key_norm_weight,
-            lse, grad_out, total, gq, partials[0], partials[-1], len(ctx.sources), tokens, ctx.eps,
+            lse, grad_out, total, gq, partials, len(ctx.sources), tokens, ctx.eps,
             HAS_NULL=has_null, **launch,
         )
         record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
@@ -338,11 +339,15 @@ class FusedRoute(torch.autograd.Function):
             if node is not None:
                 node.records.append(record)
 
-        sums = partials.sum(1)  # one deterministic reduction of the per-program partials
-        dquery = (sums[0] * key_norm_weight).to(query.dtype)
-        dweight = (sums[0] * query).to(key_norm_weight.dtype)
-        dnull = sums[1].to(null_source.dtype) if has_null else None
-        return None, None, None, None, dquery, dweight, dnull, None
+        # one deterministic reduction of the per-program partials, and few small ops after it:
+        # each costs the host more than the GPU
+        sums = partials.sum(1)
+        if len({p.dtype for p in params}) == 1:
+            grads = sums.to(query.dtype).unbind(0)
+        else:
+            grads = [row.to(p.dtype) for row, p in zip(sums, params)]
+        dnull = grads[2] if has_null else None
+        return None, None, None, None, grads[0], grads[1], dnull, None
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions

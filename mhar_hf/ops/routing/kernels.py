@@ -120,7 +120,7 @@ def _read_terms(x, dout, lse, gq, eps, D: tl.constexpr):
 @triton.jit
 def route_site_bwd_kernel(
     table, src0_ptr, null_ptr, q_ptr, g_ptr, lse_ptr, dout_ptr,
-    total_ptr, gq_ptr, dkey_partial_ptr, dnull_partial_ptr,
+    total_ptr, gq_ptr, partial_ptr,
     num_sources, T, eps,
     HAS_NULL: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
@@ -128,12 +128,14 @@ def route_site_bwd_kernel(
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 (`gq`, so the source kernel never touches the parameters, which
-    FSDP may have freed by then), and per-program partial sums of A (query / key-norm weight)
-    and of the null source's gradient. One pass: A = sum_n w (P - S) rstd x is gathered as
+    FSDP may have freed by then), and each program's partial sums of the query's, the key-norm
+    weight's and the null source's gradients: rows 0, 1, 2 of `partial_ptr`, each
+    [programs, D]. One pass: A = sum_n w (P - S) rstd x is gathered as
     sum_n w P rstd x - S * sum_n w rstd x, since S is only known at the end."""
     pid = tl.program_id(0)
     head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
-    gq = _load_tile(g_ptr, col, col_mask) * _load_tile(q_ptr, col, col_mask)
+    q, g = _load_tile(q_ptr, col, col_mask), _load_tile(g_ptr, col, col_mask)
+    gq = g * q
     if pid == 0:
         tl.store(gq_ptr + col, gq, mask=col_mask)
     dkey = tl.zeros([H_PAD, DH_PAD], tl.float32)
@@ -175,9 +177,11 @@ def route_site_bwd_kernel(
         dkey += tl.sum(wp_x - total[:, :, None] * w_x, 0)
         tl.store(total_ptr + stat_offs, total, mask=stat_mask)
 
-    tl.store(dkey_partial_ptr + pid * D + col, dkey, mask=col_mask)
+    row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
+    tl.store(partial_ptr + pid * D + col, dkey * g, mask=col_mask)
+    tl.store(partial_ptr + row + pid * D + col, dkey * q, mask=col_mask)
     if HAS_NULL:
-        tl.store(dnull_partial_ptr + pid * D + col, dnull, mask=col_mask)
+        tl.store(partial_ptr + 2 * row + pid * D + col, dnull, mask=col_mask)
 
 
 @triton.jit
