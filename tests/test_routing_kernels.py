@@ -230,6 +230,32 @@ def test_reads_with_outputs_of_two_dtypes():
         assert rel_rms(leaf.grad, twin.grad) < TOLERANCE[torch.bfloat16]
 
 
+def test_sources_at_unaligned_addresses(monkeypatch, dtype=DTYPES[-1]):
+    """The kernels load table-addressed tensors 16 bytes at a time: a source that starts off a
+    16-byte boundary is copied first, so no table holds such an address, and results stay exact."""
+    tabled = []
+    upload = fused._upload
+    monkeypatch.setattr(fused, "_upload", lambda addresses, device: tabled.extend(addresses) or upload(addresses, device))
+    fused._tables.clear()
+    sources, query, norm_weight, _ = routing_inputs(3, 64, 9, dtype=dtype)
+    storage = torch.empty(sources[1].numel() + 1, device=DEVICE, dtype=dtype)
+    storage[1:].copy_(sources[1].flatten())
+    leaves = [s.clone().requires_grad_() for s in sources]
+    storage.requires_grad_()
+    leaves[1] = storage[1:].view_as(sources[1])  # one element past an aligned start
+    assert leaves[1].is_contiguous() and leaves[1].data_ptr() % 16
+    grad_out = torch.randn(1, 9, 64, device=DEVICE)
+    out = fused_route(leaves, query, norm_weight, 4, EPS)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+    twins = [fp64(s).requires_grad_() for s in sources]
+    ref = route_reference(twins, fp64(query), fp64(norm_weight), 4, EPS)
+    ref_grads = torch.autograd.grad(ref, twins, grad_out.double())
+    assert tabled and all(address % 16 == 0 for address in tabled)
+    assert rel_rms(out, ref) < TOLERANCE[dtype]
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        assert rel_rms(grad, expected) < TOLERANCE[dtype]
+
+
 def test_a_partial_backward_leaves_nothing_behind():
     """autograd.grad on the query alone runs the reads' backward but not the sources': a later
     full backward must not count the records that pass left."""

@@ -25,6 +25,7 @@ from . import kernels
 
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 16384  # padded elements per token row a program holds in registers
+ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached through a table
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
 # Launch shape per kernel: token rows per program, and padded tile elements per warp, from a
@@ -141,8 +142,11 @@ def _address_table(addresses: tuple[int, ...], device) -> torch.Tensor:
     return table
 
 
-def _contiguous(tensors) -> list[torch.Tensor]:
-    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+def _aligned(tensors) -> list[torch.Tensor]:
+    """The tensors contiguous and at 16-byte-aligned addresses, as the kernels assume of every
+    address in a table (they load 16 bytes at a time); only a tensor that is not gets copied."""
+    return [t if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0 else t.clone(memory_format=torch.contiguous_format)
+            for t in tensors]
 
 
 def _addresses(tensors) -> tuple[int, ...]:
@@ -306,7 +310,7 @@ class FusedRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest):
-        sources = _contiguous(sources)
+        sources = _aligned(sources)
         table = _address_table(_addresses(sources), sources[0].device)
         out, lse = _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
         # the sources themselves are held, not saved: the table points at them
@@ -323,7 +327,7 @@ class FusedRoute(torch.autograd.Function):
         launch = _kernel_args("site", width, ctx.num_heads)
         programs = min(triton.cdiv(tokens, launch["BLOCK_T"]), _persistent_programs(device))
         has_null = null_source is not None
-        grad_out = grad_out.contiguous()
+        (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         total = _empty((tokens, ctx.num_heads), dtype=torch.float32, device=device)
         gq = _empty((width,), dtype=torch.float32, device=device)
         params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
@@ -373,6 +377,6 @@ def fused_route(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         sources, nodes, newest = _on_one_chain(sources)
         return FusedRoute.apply(num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest)
-    sources = _contiguous(sources)
+    sources = _aligned(sources)
     table = _address_table(_addresses(sources), sources[0].device)
     return _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]
