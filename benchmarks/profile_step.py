@@ -7,17 +7,22 @@ PyTorch profiler and prints, for each model, the time of a step (unprofiled, the
 time summed over its kernels (a gap between step and GPU time is time the GPU waited for the
 host), and the kernels that take the most GPU time. The routing kernels' share says how much
 a faster kernel can still win. `--host N` adds the N Python functions that take the most host
-time in a step (cProfile) and counts the calls that made the host wait for the GPU.
+time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
+writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
+one and the backward node that launched it: what the GPU waited for.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import io
+import json
 import pstats
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -52,6 +57,40 @@ def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:top]:
         lines.append(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  {e.count // steps:5d}x  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def idle_gaps(trace: Path, top: int, min_us: float = 5.0) -> str:
+    """The GPU's idle time in a Chrome trace, summed per (backward node or forward, kernel that
+    ends the gap): a gap ends when the host launches the next kernel, so its key names the host
+    work the GPU waited for."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    nodes = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("autograd::engine")),
+                   key=lambda e: e["ts"])
+    starts = [e["ts"] for e in nodes]
+
+    def phase(ts: float) -> str:  # the backward node running on the host at ts, if any
+        i = bisect.bisect_right(starts, ts) - 1
+        while i >= 0 and nodes[i]["ts"] + nodes[i]["dur"] < ts and ts - nodes[i]["ts"] < 1e6:
+            i -= 1
+        inside = i >= 0 and nodes[i]["ts"] + nodes[i]["dur"] >= ts
+        return nodes[i]["name"].split(": ")[-1] if inside else "forward"
+
+    idle, count, busy_until = Counter(), Counter(), work[0]["ts"]
+    for kernel in work:
+        gap = kernel["ts"] - busy_until
+        if gap > min_us:
+            launch = launches.get(kernel["args"].get("correlation"))
+            key = (phase(launch["ts"]) if launch else "?", kernel["name"][:60])
+            idle[key] += gap
+            count[key] += 1
+        busy_until = max(busy_until, kernel["ts"] + kernel["dur"])
+    span = busy_until - work[0]["ts"]
+    lines = [f"GPU idle {sum(idle.values()) / 1e3:.1f} of {span / 1e3:.1f} ms traced; largest gaps by what ended them:"]
+    for (where, name), us in idle.most_common(top):
+        lines.append(f"  {us / 1e3:8.2f} ms {count[where, name]:5d}x  {where} | {name}")
     return "\n".join(lines)
 
 
@@ -96,6 +135,8 @@ def main():
         print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}")
         trace = args.trace if mode != "standard" else None
         print(profile_steps(model, batch, seq, args.steps, args.top, trace), flush=True)
+        if trace is not None:
+            print(idle_gaps(trace, args.top), flush=True)
         if args.host:
             print(host_profile(model, batch, seq, args.steps, args.host), flush=True)
         del model
