@@ -6,7 +6,9 @@ read; it returns no source gradient. `DepthSource` marks a tensor that reads wil
 runs its backward only after every read of it has run its own, and there one kernel
 (`route_source_bwd_kernel`) turns all the records into the source's gradient. So each source
 gradient is summed in fp32 and written once, instead of being written by every read and added
-up by autograd (DESIGN.md section 4, the source-major backward).
+up by autograd (DESIGN.md section 4, the source-major backward). Marks made in order form a
+chain (`_Chain`), so a read's one autograd input, its newest source, is enough to order every
+source's backward after its own: no autograd edge or saved tensor per source it reads.
 """
 
 from __future__ import annotations
@@ -313,7 +315,9 @@ class FusedRoute(torch.autograd.Function):
         sources = _aligned(sources)
         table = _address_table(_addresses(sources), sources[0].device)
         out, lse = _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
-        # the sources themselves are held, not saved: the table points at them
+        # the sources are held, not saved: the table points at them. (Under non-reentrant
+        # activation checkpointing this keeps alive a source made and read inside one layer,
+        # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.nodes, ctx.table = num_heads, eps, sources, nodes, table
         ctx.save_for_backward(query, key_norm_weight, null_source, lse)
         return out
