@@ -155,6 +155,12 @@ def _addresses(tensors) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in tensors)
 
 
+def _with_table(sources) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The sources as the kernels take them (`_aligned`), and their address table."""
+    sources = _aligned(sources)
+    return sources, _address_table(_addresses(sources), sources[0].device)
+
+
 def _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse):
     first = sources[0]
     width = first.shape[-1]
@@ -244,25 +250,22 @@ def track(source: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tens
 
 
 def _on_one_chain(sources) -> tuple[tuple, list, torch.Tensor | None]:
-    """The sources with every one that needs a gradient marked on one chain, their marks (None
-    where no gradient is needed), and the newest marked source (None when there is none). Sources
-    marked where they were made, newest last (the model's), come back as they are; others are
-    marked here."""
-    nodes = [s.grad_fn if s.requires_grad else None for s in sources]
-    needing = [i for i, s in enumerate(sources) if s.requires_grad]
+    """The sources with every one that needs a gradient marked on one chain, the marks of those,
+    and the newest marked source (None when no source needs a gradient). Sources marked where
+    they were made, newest last (the model's), come back as they are; others are marked here."""
+    needing = [s for s in sources if s.requires_grad]
     if not needing:
-        return sources, nodes, None
-    newest = nodes[needing[-1]]
-    if isinstance(newest, _DEPTH_NODE) and all(
-        isinstance(nodes[i], _DEPTH_NODE) and _precedes(nodes[i], newest) for i in needing
-    ):
-        return sources, nodes, sources[needing[-1]]
+        return sources, [], None
+    marks = [s.grad_fn for s in needing]
+    newest = marks[-1]
+    if isinstance(newest, _DEPTH_NODE) and all(isinstance(m, _DEPTH_NODE) and _precedes(m, newest) for m in marks):
+        return sources, marks, needing[-1]
     marked, previous = [], None
     for s in sources:
         if s.requires_grad:
             s = previous = _mark(s, previous)
         marked.append(s)
-    return tuple(marked), [s.grad_fn if s.requires_grad else None for s in marked], previous
+    return tuple(marked), [s.grad_fn for s in marked if s.requires_grad], previous
 
 
 class ReadRecord(NamedTuple):
@@ -311,14 +314,13 @@ class FusedRoute(torch.autograd.Function):
     newest mark, orders every mark's backward after its own (see _Chain)."""
 
     @staticmethod
-    def forward(ctx, num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest):
-        sources = _aligned(sources)
-        table = _address_table(_addresses(sources), sources[0].device)
+    def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, newest):
+        sources, table = _with_table(sources)
         out, lse = _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
         # the sources are held, not saved: the table points at them. (Under non-reentrant
         # activation checkpointing this keeps alive a source made and read inside one layer,
         # block mode's running sum after attention, that saving would let the layer recompute.)
-        ctx.num_heads, ctx.eps, ctx.sources, ctx.nodes, ctx.table = num_heads, eps, sources, nodes, table
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.save_for_backward(query, key_norm_weight, null_source, lse)
         return out
 
@@ -343,9 +345,8 @@ class FusedRoute(torch.autograd.Function):
         )
         record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
                             _addresses((grad_out, lse, total, gq)))
-        for node in ctx.nodes:
-            if node is not None:
-                node.records.append(record)
+        for mark in ctx.marks:
+            mark.records.append(record)
 
         # one deterministic reduction of the per-program partials, and few small ops after it:
         # each costs the host more than the GPU
@@ -379,8 +380,7 @@ def fused_route(
         return null_source
     inputs = (query, key_norm_weight, null_source, *sources)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        sources, nodes, newest = _on_one_chain(sources)
-        return FusedRoute.apply(num_heads, eps, sources, nodes, query, key_norm_weight, null_source, newest)
-    sources = _aligned(sources)
-    table = _address_table(_addresses(sources), sources[0].device)
+        sources, marks, newest = _on_one_chain(sources)
+        return FusedRoute.apply(num_heads, eps, sources, marks, query, key_norm_weight, null_source, newest)
+    sources, table = _with_table(sources)
     return _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]
