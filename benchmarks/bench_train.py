@@ -35,7 +35,8 @@ VARIANTS = [  # (label, residual mode, heads)
     ("block", "block", 8),
     ("delta", "delta", 8),
 ]
-PATHS = ("fused", "reference", "reference+compile")
+PATHS = ("fused", "fused+graph", "reference", "reference+compile")
+BASELINE_PATHS = ("eager", "compiled", "compiled+graph")
 
 
 def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
@@ -72,12 +73,33 @@ def training_step(model, batch: int, seq: int):
     return step
 
 
-def time_training(model, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def captured_step(step, warmup: int):
+    """`step` captured in one CUDA graph, after `warmup` runs on a side stream (which compile what
+    torch.compile will): a replay launches the step's kernels with no host work between them.
+    The optimizer is fused AdamW, whose state (its step count too) lives on the GPU."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.reset_peak_memory_stats()  # the capture allocates the graph's memory: count it
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()  # its zero_grad leaves the next replay's backward to write the gradients afresh
+    return graph.replay
+
+
+def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: bool = False) -> dict:
     step = training_step(model, batch, seq)
-    for _ in range(warmup):
+    if graph:
+        step = captured_step(step, warmup)
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    else:
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -177,15 +199,16 @@ def release():
 
 
 def measure_baselines(preset: str, args) -> list[dict]:
-    """The plain Transformer, eager and with each decoder layer compiled."""
+    """The plain Transformer eager, with each decoder layer compiled, and compiled with the whole
+    training step captured in a CUDA graph."""
     batch, seq = MICRO_BATCH[preset]
     records = []
-    for compiled in (False, True):
+    for path in BASELINE_PATHS:
         model = build(preset, "standard", 8, "reference")
-        if compiled:
+        if path != "eager":
             compile_regions(model, whole_layers=True)
-        record = dict(preset=preset, mode="standard", heads=None, path="compiled" if compiled else "eager")
-        records.append(dict(record, **time_training(model, batch, seq, args.warmup, args.steps)))
+        record = dict(preset=preset, mode="standard", heads=None, path=path)
+        records.append(dict(record, **time_training(model, batch, seq, args.warmup, args.steps, path.endswith("graph"))))
         del model
         release()
         print(records[-1], flush=True)
@@ -197,12 +220,13 @@ def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict |
     also return the routing kernel figures of the same model's reads."""
     preset, mode, heads, path = record["preset"], record["mode"], record["heads"], record["path"]
     batch, seq = MICRO_BATCH[preset]
-    model = build(preset, mode, heads, "fused" if path == "fused" else "reference")
+    fused = path.startswith("fused")
+    model = build(preset, mode, heads, "fused" if fused else "reference")
     sites = record_routing_sites(model)
     if path != "reference":
         compile_regions(model, whole_layers=path == "reference+compile")
     try:
-        record.update(time_training(model, batch, seq, args.warmup, args.steps))
+        record.update(time_training(model, batch, seq, args.warmup, args.steps, path.endswith("graph")))
         record["ratio_vs_baseline"] = round(record["tokens_per_s"] / baseline["tokens_per_s"], 3)
         record["mem_ratio_vs_baseline"] = round(record["peak_mem_gib"] / baseline["peak_mem_gib"], 3)
     except torch.OutOfMemoryError:
@@ -211,7 +235,7 @@ def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict |
     width = model.config.hidden_size
     del model
     release()
-    if path != "fused":
+    if path != "fused":  # the kernel table: once per variant
         return None
     kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
     print(kernel, flush=True)
@@ -236,8 +260,8 @@ def run(args) -> dict:
         kernels=[],
     )
     baselines = {}
-    # the fused path runs first for every preset (the targets are about it), the references after
-    for paths in (("fused",), ("reference", "reference+compile")):
+    # the fused paths run first for every preset (the targets are about them), the references after
+    for paths in (("fused", "fused+graph"), ("reference", "reference+compile")):
         for preset in args.presets:
             if preset not in baselines:
                 records = measure_baselines(preset, args)

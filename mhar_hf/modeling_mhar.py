@@ -302,11 +302,8 @@ class MHARModel(MHARPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
+        # the mask looks for packed sequences in positions it is given, a check that waits for the
+        # GPU (and cannot run under CUDA graph capture): positions made here hold one sequence per row
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -314,6 +311,10 @@ class MHARModel(MHARPreTrainedModel):
             cache=cache,
             position_ids=position_ids,
         )
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
         residual = self.initial_residual(inputs_embeds)

@@ -121,18 +121,36 @@ _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_TABLES = 4096
 
 
+_captured_hosts: list[torch.Tensor] = []  # host sides of tables copied by captured CUDA graphs
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _upload(addresses: Sequence[int], device) -> torch.Tensor:
-    """Tensor addresses as an int64 tensor on `device`, copied without waiting for the GPU."""
+    """Tensor addresses as an int64 tensor on `device`, copied without waiting for the GPU.
+
+    Under CUDA graph capture the copy is recorded, not run: every replay reads the host buffer
+    again, so that buffer gets its own pinned memory, kept for the life of the process, instead
+    of a slot of the staging buffer that later uploads rewrite."""
     if device.type != "cuda":
         return torch.tensor(addresses, dtype=torch.int64)
     with torch.cuda.device(device):
+        if _capturing(device):
+            host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+            _captured_hosts.append(host)
+            return host.to(device, non_blocking=True)
         return _staging.setdefault(device, _PinnedStaging()).upload(addresses, device)
 
 
 def _address_table(addresses: tuple[int, ...], device) -> torch.Tensor:
     """`_upload`, kept by content: the caching allocator hands a training step the same source
     addresses as the step before, so in the steady state a read's table is never copied again.
-    (The source kernel's reader tables change every step: they are uploaded, not kept.)"""
+    (The source kernel's reader tables change every step: they are uploaded, not kept.) A table
+    made under CUDA graph capture is not kept either: its contents exist only once replayed."""
+    if _capturing(device):
+        return _upload(addresses, device)
     key = (device, *addresses)
     table = _tables.get(key)
     if table is None:
