@@ -60,9 +60,9 @@ def compile_regions(model: MHARForCausalLM, whole_layers: bool) -> None:
             layer.mlp_sublayer = torch.compile(layer.mlp_sublayer)
 
 
-def training_step(model, batch: int, seq: int):
+def training_step(model, batch: int, seq: int, capturable: bool = False):
     """One optimizer step on random tokens (no KV cache: training never reads it back)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
 
     def step():
@@ -76,7 +76,7 @@ def training_step(model, batch: int, seq: int):
 def captured_step(step, warmup: int):
     """`step` captured in one CUDA graph, after `warmup` runs on a side stream (which compile what
     torch.compile will): a replay launches the step's kernels with no host work between them.
-    The optimizer is fused AdamW, whose state (its step count too) lives on the GPU."""
+    The optimizer must be capturable (its step count lives on the GPU)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -91,7 +91,7 @@ def captured_step(step, warmup: int):
 
 
 def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: bool = False) -> dict:
-    step = training_step(model, batch, seq)
+    step = training_step(model, batch, seq, capturable=graph)
     if graph:
         step = captured_step(step, warmup)
         step()

@@ -126,7 +126,7 @@ def test_training_step_captured_in_a_cuda_graph_matches_eager_steps(mode):
     tokens = next(batches(1))
 
     def training_step(model):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # state on the GPU
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
 
         def step():
             loss = model(tokens, labels=tokens).loss
