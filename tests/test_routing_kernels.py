@@ -61,7 +61,8 @@ def fp64(t):
 SHAPES = [  # (sources, width, heads, tokens, batch, null source)
     pytest.param(5, 64, 4, 37, 1, False, id="tokens-not-a-block-multiple"),
     pytest.param(3, 320, 2, 9, 2, True, id="head-width-160"),
-    pytest.param(4, 48, 12, 13, 1, True, id="H=12"),
+    pytest.param(2, 200, 2, 7, 1, False, id="head-width-100"),  # 64 + 36 columns: a masked high tile
+    pytest.param(4, 36, 12, 13, 1, True, id="H=12"),  # head width 3 = 2 + 1
     pytest.param(3, 64, 1, 21, 1, False, id="H=1"),
     pytest.param(1, 32, 4, 19, 1, True, id="one-source-plus-null"),
 ]

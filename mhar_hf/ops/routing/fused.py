@@ -44,9 +44,15 @@ def _interpreted() -> bool:
 
 @functools.cache  # called for every read
 def _tile(width: int, num_heads: int) -> dict:
+    """The kernels' tile constants: each head's columns in two power-of-two tiles (kernels.py)."""
     head_width = width // num_heads
-    h_pad, dh_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_width)
-    return dict(D=width, H=num_heads, DH=head_width, H_PAD=h_pad, DH_PAD=dh_pad)
+    low = 1 << (head_width.bit_length() - 1)  # the largest power of two up to head_width
+    high = triton.next_power_of_2(head_width - low) if head_width > low else 1  # 1: an empty, masked tile
+    return dict(D=width, H=num_heads, DH=head_width, H_PAD=triton.next_power_of_2(num_heads), DH_LO=low, DH_HI=high)
+
+
+def _padded_width(tile: dict) -> int:
+    return tile["H_PAD"] * (tile["DH_LO"] + tile["DH_HI"])
 
 
 @functools.cache  # per call this is host time on the critical path; sweep_launch.py clears it
@@ -56,7 +62,7 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     rows, per_warp = LAUNCH[kind]
     if _interpreted():
         return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4)
-    warps = triton.next_power_of_2(triton.cdiv(rows * tile["H_PAD"] * tile["DH_PAD"], per_warp))
+    warps = triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp))
     return dict(tile, BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
 
 
@@ -84,7 +90,7 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
         return f"fused routing needs [{width}] routing vectors on {device} and heads dividing {width}"
     tile = _tile(width, num_heads)
-    if tile["H_PAD"] * tile["DH_PAD"] > MAX_TILE:
+    if _padded_width(tile) > MAX_TILE:
         return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
     return None
 

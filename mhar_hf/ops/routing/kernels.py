@@ -1,7 +1,10 @@
 """Triton kernels of the routing op (DESIGN.md sections 1 and 4).
 
-Layout: every program owns BLOCK_T token rows of width d, held as a `[BLOCK_T, H_PAD, DH_PAD]`
-tile (heads padded to powers of two and masked, so any H dividing d works, d/H = 160 too).
+Layout: every program owns BLOCK_T token rows of width d, held as two tiles: each head's first
+DH_LO columns (`[BLOCK_T, H_PAD, DH_LO]`, DH_LO the largest power of two up to d/H) and its other
+d/H - DH_LO (`[BLOCK_T, H_PAD, DH_HI]`, masked past them). Tile sizes must be powers of two; one
+tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two hold it
+exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d works.
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them; the next tile is loaded before the current one is
 used, to keep two reads in flight. All statistics, logits, softmax and the mix run in fp32:
@@ -42,42 +45,67 @@ def _address(table, i, count, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.cons
 
 
 @triton.jit
-def _load_rows(ptr, valid, offs, tok, T, col_mask):
-    """Token rows of a [T, D] tensor as an fp32 tile; zeros when not `valid` (past a table's end)."""
-    rows = T * valid
-    return _load_tile(ptr, offs, (tok < rows)[:, None, None] & col_mask[None, :, :])
-
-
-@triton.jit
-def _load_row_tile(table, i, count, like_ptr, offs, tok, T, col_mask):
-    """Token rows of tensor i of an address table as an fp32 tile (zeros once i runs past the table)."""
-    return _load_rows(_address(table, i, count, like_ptr), i < count, offs, tok, T, col_mask)
-
-
-@triton.jit
-def _tile_layout(H: tl.constexpr, DH: tl.constexpr, H_PAD: tl.constexpr, DH_PAD: tl.constexpr):
+def _row_layout(H: tl.constexpr, DH: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr):
+    """Per head, the offsets and masks of its low and high columns (see the module docstring)."""
     head = tl.arange(0, H_PAD)
-    col = head[:, None] * DH + tl.arange(0, DH_PAD)[None, :]
-    col_mask = (head[:, None] < H) & (tl.arange(0, DH_PAD)[None, :] < DH)
-    return head, col, col_mask
+    lo, hi = tl.arange(0, DH_LO), tl.arange(0, DH_HI)
+    live = head[:, None] < H
+    col_lo = head[:, None] * DH + lo[None, :]
+    col_hi = head[:, None] * DH + DH_LO + hi[None, :]
+    return head, col_lo, live & (lo[None, :] < DH), col_hi, live & (hi[None, :] < DH - DH_LO)
 
 
 @triton.jit
-def _rstd_and_head_dots(x, gq, eps, D: tl.constexpr):
+def _load_vector(ptr, col_lo, mask_lo, col_hi, mask_hi):
+    """A [D] vector (a routing parameter) as its two fp32 tiles."""
+    return _load_tile(ptr, col_lo, mask_lo), _load_tile(ptr, col_hi, mask_hi)
+
+
+@triton.jit
+def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi):
+    """Rows of a [T, D] tensor as two fp32 tiles: `row_offs` ([BLOCK_T, 1, 1]) their offsets,
+    `row_ok` which rows to load (zeros in the others)."""
+    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :]),
+            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :]))
+
+
+@triton.jit
+def _load_source_rows(table, i, count, like_ptr, row_offs, tok, T, col_lo, mask_lo, col_hi, mask_hi):
+    """Token rows of tensor i of an address table (zeros once i runs past the table)."""
+    row_ok = (tok < T * (i < count))[:, None, None]
+    return _load_rows(_address(table, i, count, like_ptr), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi)
+
+
+@triton.jit
+def _store_rows(ptr, row_offs, row_ok, lo, hi, col_lo, mask_lo, col_hi, mask_hi):
+    ty = ptr.dtype.element_ty
+    tl.store(ptr + row_offs + col_lo[None, :, :], lo.to(ty), mask=row_ok & mask_lo[None, :, :])
+    tl.store(ptr + row_offs + col_hi[None, :, :], hi.to(ty), mask=row_ok & mask_hi[None, :, :])
+
+
+@triton.jit
+def _head_dots(a_lo, a_hi, b_lo, b_hi):
+    """<a_h, b_h> per token and head, over both tiles."""
+    return tl.sum(a_lo * b_lo, 2) + tl.sum(a_hi * b_hi, 2)
+
+
+@triton.jit
+def _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D: tl.constexpr):
     """rsqrt(mean over the full width of x^2 + eps) per token, and <x_h, (g*q)_h> per token and head."""
-    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + eps)
-    return rstd, tl.sum(x * gq[None, :, :], 2)
+    rstd = tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
+    return rstd, _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
 
 
 @triton.jit
-def _softmax_step(x, gq, eps, m, l, acc, D: tl.constexpr):
+def _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D: tl.constexpr):
     """Fold one source into the running (max, sum, mix) of the online softmax."""
-    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
+    rstd, dots = _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D)
     logit = dots * rstd[:, None]
     m_new = tl.maximum(m, logit)
-    scale = tl.exp(m - m_new)
+    alpha = tl.exp(m - m_new)
     p = tl.exp(logit - m_new)
-    return m_new, l * scale + p, acc * scale[:, :, None] + p[:, :, None] * x
+    scale, p3 = alpha[:, :, None], p[:, :, None]
+    return m_new, l * alpha + p, acc_lo * scale + p3 * x_lo, acc_hi * scale + p3 * x_hi
 
 
 @triton.jit
@@ -86,37 +114,43 @@ def route_fwd_kernel(
     num_sources, T, eps,
     HAS_NULL: tl.constexpr, STORE_LSE: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """out = the routed mix; lse = per-head log-sum-exp of the logits (all the backward needs)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
-    offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
-    mask = (tok < T)[:, None, None] & col_mask[None, :, :]
-    gq = _load_tile(g_ptr, col, col_mask) * _load_tile(q_ptr, col, col_mask)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    row_offs = tok[:, None, None].to(tl.int64) * D
+    g_lo, g_hi = _load_vector(g_ptr, *cols)
+    q_lo, q_hi = _load_vector(q_ptr, *cols)
+    gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
 
     m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)
-    x_next = _load_row_tile(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
+    acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+    acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+    next_lo, next_hi = _load_source_rows(table, 0, num_sources, src0_ptr, row_offs, tok, T, *cols)
     if HAS_NULL:  # the null source: one vector shared by every token
-        null = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
-        m, l, acc = _softmax_step(null, gq, eps, m, l, acc, D)
+        null_lo, null_hi = _load_vector(null_ptr, *cols)
+        null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
+        null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
+        m, l, acc_lo, acc_hi = _softmax_step(null_lo, null_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D)
     for n in range(0, num_sources):
-        x = x_next
-        x_next = _load_row_tile(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
-        m, l, acc = _softmax_step(x, gq, eps, m, l, acc, D)
-    tl.store(out_ptr + offs, (acc / l[:, :, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        x_lo, x_hi = next_lo, next_hi
+        next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
+        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D)
+    inv = 1.0 / l[:, :, None]
+    _store_rows(out_ptr, row_offs, (tok < T)[:, None, None], acc_lo * inv, acc_hi * inv, *cols)
     if STORE_LSE:
         tl.store(lse_ptr + tok[:, None] * H + head[None, :], m + tl.log(l),
                  mask=(tok < T)[:, None] & (head < H)[None, :])
 
 
 @triton.jit
-def _read_terms(x, dout, lse, gq, eps, D: tl.constexpr):
+def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.constexpr):
     """For one source of one read: rstd [T], dots [T, H], weights w [T, H], P = <dout_h, x_h> [T, H]."""
-    rstd, dots = _rstd_and_head_dots(x, gq, eps, D)
-    return rstd, dots, tl.exp(dots * rstd[:, None] - lse), tl.sum(dout * x, 2)
+    rstd, dots = _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D)
+    return rstd, dots, tl.exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
 
 
 @triton.jit
@@ -126,7 +160,7 @@ def route_site_bwd_kernel(
     num_sources, T, eps,
     HAS_NULL: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 (`gq`, so the source kernel never touches the parameters, which
@@ -135,55 +169,75 @@ def route_site_bwd_kernel(
     [programs, D]. One pass: A = sum_n w (P - S) rstd x is gathered as
     sum_n w P rstd x - S * sum_n w rstd x, since S is only known at the end."""
     pid = tl.program_id(0)
-    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
-    q, g = _load_tile(q_ptr, col, col_mask), _load_tile(g_ptr, col, col_mask)
-    gq = g * q
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    q_lo, q_hi = _load_vector(q_ptr, *cols)
+    g_lo, g_hi = _load_vector(g_ptr, *cols)
+    gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
     if pid == 0:
-        tl.store(gq_ptr + col, gq, mask=col_mask)
-    dkey = tl.zeros([H_PAD, DH_PAD], tl.float32)
-    dnull = tl.zeros([H_PAD, DH_PAD], tl.float32)
-    if HAS_NULL:
-        null = tl.broadcast_to(_load_tile(null_ptr, col, col_mask)[None, :, :], (BLOCK_T, H_PAD, DH_PAD))
+        tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
+        tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
+    dkey_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
+    dkey_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
+    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
+    dnull_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
+    if HAS_NULL:  # the null source: one vector shared by every token
+        null_lo, null_hi = _load_vector(null_ptr, *cols)
+        null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
+        null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
 
     for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
-        rows = (tok < T)[:, None, None]
-        x_next = _load_row_tile(table, 0, num_sources, src0_ptr, offs, tok, T, col_mask)
-        dout = _load_tile(dout_ptr, offs, rows & col_mask[None, :, :])
+        row_offs = tok[:, None, None].to(tl.int64) * D
+        in_range = (tok < T)[:, None, None]
+        next_lo, next_hi = _load_source_rows(table, 0, num_sources, src0_ptr, row_offs, tok, T, *cols)
+        dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
         stat_mask = (tok < T)[:, None] & (head < H)[None, :]
         lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
 
         total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-        wp_x = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum_n w P rstd x
-        w_x = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum_n w rstd x
+        wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w P rstd x
+        wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
+        w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in range(0, num_sources):
-            x = x_next
-            x_next = _load_row_tile(table, n + 1, num_sources, src0_ptr, offs, tok, T, col_mask)
-            rstd, dots, w, p = _read_terms(x, dout, lse, gq, eps, D)
+            x_lo, x_hi = next_lo, next_hi
+            next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
+            rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
             w_rstd = w * rstd[:, None]
             total += w * p
-            wp_x += (w_rstd * p)[:, :, None] * x
-            w_x += w_rstd[:, :, None] * x
+            wp = (w_rstd * p)[:, :, None]
+            wp_x_lo += wp * x_lo
+            wp_x_hi += wp * x_hi
+            w_x_lo += w_rstd[:, :, None] * x_lo
+            w_x_hi += w_rstd[:, :, None] * x_hi
         if HAS_NULL:
-            rstd, dots, w, p = _read_terms(null, dout, lse, gq, eps, D)
+            rstd, dots, w, p = _read_terms(null_lo, null_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
             total += w * p
             dlogit = w * (p - total)
-            dlogit_rstd = dlogit * rstd[:, None]
-            norm_coef = rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1)
-            dx = w[:, :, None] * dout + dlogit_rstd[:, :, None] * gq[None, :, :] - norm_coef[:, None, None] * null
-            dnull += tl.sum(tl.where(rows, dx, 0.0), 0)
-            dkey += tl.sum(dlogit_rstd[:, :, None] * null, 0)
-        dkey += tl.sum(wp_x - total[:, :, None] * w_x, 0)
+            dlogit_rstd = dlogit[:, :, None] * rstd[:, None, None]
+            norm_coef = (rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1))[:, None, None]
+            w3 = w[:, :, None]
+            dx_lo = w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo
+            dx_hi = w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi
+            dnull_lo += tl.sum(tl.where(in_range, dx_lo, 0.0), 0)
+            dnull_hi += tl.sum(tl.where(in_range, dx_hi, 0.0), 0)
+            dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
+            dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
+        dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
+        dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
         tl.store(total_ptr + stat_offs, total, mask=stat_mask)
 
     row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
-    tl.store(partial_ptr + pid * D + col, dkey * g, mask=col_mask)
-    tl.store(partial_ptr + row + pid * D + col, dkey * q, mask=col_mask)
+    tl.store(partial_ptr + pid * D + col_lo, dkey_lo * g_lo, mask=mask_lo)
+    tl.store(partial_ptr + pid * D + col_hi, dkey_hi * g_hi, mask=mask_hi)
+    tl.store(partial_ptr + row + pid * D + col_lo, dkey_lo * q_lo, mask=mask_lo)
+    tl.store(partial_ptr + row + pid * D + col_hi, dkey_hi * q_hi, mask=mask_hi)
     if HAS_NULL:
-        tl.store(partial_ptr + 2 * row + pid * D + col, dnull, mask=col_mask)
+        tl.store(partial_ptr + 2 * row + pid * D + col_lo, dnull_lo, mask=mask_lo)
+        tl.store(partial_ptr + 2 * row + pid * D + col_hi, dnull_hi, mask=mask_hi)
 
 
 @triton.jit
@@ -192,37 +246,45 @@ def route_source_bwd_kernel(
     num_readers, T, eps,
     HAS_GRAD_IN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 4] address table: per
     read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D])."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head, col, col_mask = _tile_layout(H, DH, H_PAD, DH_PAD)
-    offs = tok[:, None, None].to(tl.int64) * D + col[None, :, :]
-    mask = (tok < T)[:, None, None] & col_mask[None, :, :]
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    row_offs = tok[:, None, None].to(tl.int64) * D
+    in_range = (tok < T)[:, None, None]
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
 
-    x = _load_tile(src_ptr, offs, mask)
-    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + eps)
-    acc = tl.zeros([BLOCK_T, H_PAD, DH_PAD], tl.float32)  # sum over reads of w dout + dlogit rstd gq
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
+    rstd = tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
+    acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum over reads of w dout + dlogit rstd gq
+    acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
     norm_sum = tl.zeros([BLOCK_T], tl.float32)  # sum over reads of sum_h dlogit dots
-    dout_next = _load_rows(_address(readers, 0, num_readers, dout0_ptr, 4, 0), 0 < num_readers, offs, tok, T, col_mask)
+    next_lo, next_hi = _load_rows(_address(readers, 0, num_readers, dout0_ptr, 4, 0), row_offs,
+                                  (tok < T * (0 < num_readers))[:, None, None], *cols)
     for k in range(0, num_readers):
-        dout = dout_next
-        dout_next = _load_rows(_address(readers, k + 1, num_readers, dout0_ptr, 4, 0), k + 1 < num_readers,
-                               offs, tok, T, col_mask)
+        dout_lo, dout_hi = next_lo, next_hi
+        next_lo, next_hi = _load_rows(_address(readers, k + 1, num_readers, dout0_ptr, 4, 0), row_offs,
+                                      (tok < T * (k + 1 < num_readers))[:, None, None], *cols)
         lse = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
                       other=float("inf"))
         total = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
-        gq = _load_tile(_address(readers, k, num_readers, stat0_ptr, 4, 3), col, col_mask)
-        dots = tl.sum(x * gq[None, :, :], 2)
+        gq_lo, gq_hi = _load_vector(_address(readers, k, num_readers, stat0_ptr, 4, 3), *cols)
+        dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
         w = tl.exp(dots * rstd[:, None] - lse)
-        dlogit = w * (tl.sum(dout * x, 2) - total)
-        acc += w[:, :, None] * dout + (dlogit * rstd[:, None])[:, :, None] * gq[None, :, :]
+        dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total)
+        w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
+        acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
+        acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
         norm_sum += tl.sum(dlogit * dots, 1)
-    dx = acc - (rstd * rstd * rstd / D * norm_sum)[:, None, None] * x
+    norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
+    dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
-        dx += _load_tile(grad_in_ptr, offs, mask)
-    tl.store(dsrc_ptr + offs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask)
+        grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols)
+        dx_lo += grad_lo
+        dx_hi += grad_hi
+    _store_rows(dsrc_ptr, row_offs, in_range, dx_lo, dx_hi, *cols)
