@@ -70,10 +70,12 @@ def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
-def _load_source_rows(table, i, count, like_ptr, row_offs, tok, T, col_lo, mask_lo, col_hi, mask_hi):
-    """Token rows of tensor i of an address table (zeros once i runs past the table)."""
+def _load_source_rows(table, i, count, like_ptr, row_offs, tok, T, col_lo, mask_lo, col_hi, mask_hi,
+                      STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
+    """Token rows of the tensor at entry (i, FIELD) of an address table (zeros once i runs past it)."""
     row_ok = (tok < T * (i < count))[:, None, None]
-    return _load_rows(_address(table, i, count, like_ptr), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi)
+    return _load_rows(_address(table, i, count, like_ptr, STRIDE, FIELD), row_offs, row_ok,
+                      col_lo, mask_lo, col_hi, mask_hi)
 
 
 @triton.jit
@@ -90,10 +92,15 @@ def _head_dots(a_lo, a_hi, b_lo, b_hi):
 
 
 @triton.jit
+def _rstd(x_lo, x_hi, eps, D: tl.constexpr):
+    """rsqrt(mean over the full width of x^2 + eps) per token."""
+    return tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
+
+
+@triton.jit
 def _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D: tl.constexpr):
-    """rsqrt(mean over the full width of x^2 + eps) per token, and <x_h, (g*q)_h> per token and head."""
-    rstd = tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
-    return rstd, _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+    """`_rstd`, and <x_h, (g*q)_h> per token and head."""
+    return _rstd(x_lo, x_hi, eps, D), _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
 
 
 @triton.jit
@@ -260,16 +267,14 @@ def route_source_bwd_kernel(
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
 
     x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
-    rstd = tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
+    rstd = _rstd(x_lo, x_hi, eps, D)
     acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum over reads of w dout + dlogit rstd gq
     acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
     norm_sum = tl.zeros([BLOCK_T], tl.float32)  # sum over reads of sum_h dlogit dots
-    next_lo, next_hi = _load_rows(_address(readers, 0, num_readers, dout0_ptr, 4, 0), row_offs,
-                                  (tok < T * (0 < num_readers))[:, None, None], *cols)
+    next_lo, next_hi = _load_source_rows(readers, 0, num_readers, dout0_ptr, row_offs, tok, T, *cols, 4, 0)
     for k in range(0, num_readers):
         dout_lo, dout_hi = next_lo, next_hi
-        next_lo, next_hi = _load_rows(_address(readers, k + 1, num_readers, dout0_ptr, 4, 0), row_offs,
-                                      (tok < T * (k + 1 < num_readers))[:, None, None], *cols)
+        next_lo, next_hi = _load_source_rows(readers, k + 1, num_readers, dout0_ptr, row_offs, tok, T, *cols, 4, 0)
         lse = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
                       other=float("inf"))
         total = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
