@@ -141,7 +141,8 @@ def copy_bandwidth() -> float:
 
 def time_routing(sites: list[int], gated: bool, tokens: int, width: int, heads: int, bandwidth: float) -> dict:
     """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
-    op, against the floor: every source read once and the output written once (forward); in the
+    op (delta mode's gated reads as the model makes them: `stream + gate * mix`), against the floor:
+    every source (and a gated read's stream) read once and the output written once (forward); in the
     backward the sources and the output gradient read once and every source gradient written once.
     Also the wall time of forward + backward alone, which the host's launch time can bound."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -150,21 +151,23 @@ def time_routing(sites: list[int], gated: bool, tokens: int, width: int, heads: 
     query = (torch.randn(width, **bf16) / width**0.5).requires_grad_()
     norm_weight = torch.ones(width, **bf16, requires_grad=True)
     null = torch.randn(width, **bf16, requires_grad=True) if gated else None
+    gate = torch.randn(1, **bf16, requires_grad=True) if gated else None
+    stream = torch.randn(tokens, width, **bf16, requires_grad=True) if gated else None
     grad = torch.randn(tokens, width, **bf16)
-    params = [query, norm_weight] + ([null] if gated else [])
+    params = [query, norm_weight] + ([null, gate, stream] if gated else [])
 
     def forward():  # sources marked once per step and chained, as the model marks them where it makes them
         tracked = []
         for s in sources:
             tracked.append(track(s, after=tracked[-1] if tracked else None))
-        return [fused_route(tracked[: n - gated], query, norm_weight, heads, 1e-6, null) for n in sites]
+        return [fused_route(tracked[: n - gated], query, norm_weight, heads, 1e-6, null, gate, stream) for n in sites]
 
     def forward_backward():
         outs = forward()
         torch.autograd.grad(outs, sources + params, [grad] * len(outs))
 
     unit = tokens * width * 2
-    floor_fwd = sum((n - gated + 1) * unit for n in sites) / bandwidth * 1e3
+    floor_fwd = sum((n + 1) * unit for n in sites) / bandwidth * 1e3  # a gated read also reads its residual
     floor_bwd = sum((2 * (n - gated) + 1) * unit for n in sites) / bandwidth * 1e3
     fwd_ms, fwd_bwd_ms = routing_kernel_ms(forward), routing_kernel_ms(forward_backward)
     return dict(

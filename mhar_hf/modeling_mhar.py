@@ -46,7 +46,7 @@ from .routing import route, track
 
 class MHARRouter(nn.Module):
     """One routing site: a pseudo-query and a key-norm weight; in delta mode also a null source
-    and a gate, and the read is added to the untouched residual stream by the caller."""
+    and a gate, and the read returns `residual + gate * mix` for the stream it is given."""
 
     def __init__(self, config: MHARConfig, gated: bool):
         super().__init__()
@@ -60,8 +60,10 @@ class MHARRouter(nn.Module):
             self.null_source = nn.Parameter(torch.zeros(config.hidden_size))
             self.gate = nn.Parameter(torch.zeros(1))  # 1-D: FSDP rejects 0-d parameters
 
-    def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        mixed = route(
+    def forward(self, sources: tuple[torch.Tensor, ...], residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gated and residual is None:
+            raise ValueError("a gated (delta-mode) router adds its read to the residual stream: pass `residual`")
+        return route(
             sources,
             self.query,
             self.key_norm_weight,
@@ -69,8 +71,9 @@ class MHARRouter(nn.Module):
             self.eps,
             null_source=self.null_source if self.gated else None,
             implementation=self.implementation,
+            gate=self.gate if self.gated else None,
+            residual=residual if self.gated else None,
         )
-        return self.gate * mixed if self.gated else mixed
 
     def extra_repr(self) -> str:
         return f"{self.query.shape[0]}, heads={self.num_heads}, gated={self.gated}"
@@ -215,13 +218,13 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
 
     def _forward_delta(self, residual, attend):
         stream, blocks, boundary = residual
-        hidden = stream + self.attn_router(blocks) if self.attn_router is not None else stream
+        hidden = self.attn_router(blocks, residual=stream) if self.attn_router is not None else stream
         if self.starts_block:
             delta = stream - boundary if blocks else stream
             blocks = (*blocks, self.depth_source(delta, after=blocks[-1] if blocks else None))
             boundary = stream
         stream = stream + attend(hidden)
-        stream = stream + self.mlp_sublayer(stream + self.mlp_router(blocks))
+        stream = stream + self.mlp_sublayer(self.mlp_router(blocks, residual=stream))
         return stream, blocks, boundary
 
 

@@ -66,20 +66,43 @@ def route_reference(
     num_heads: int,
     eps: float,
     null_source: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mix the raw `sources` (each `[..., d]`) with `routing_weights`, head by head.
 
     `null_source` (a `[d]` vector) is prepended as source 0. Statistics, logits, softmax and
     mix run in fp32; the result has the sources' dtype. One source is returned unchanged.
+    A delta-mode site passes `gate` (shape `(1,)`) and `residual` (the stream, shaped like a
+    source) and gets `residual + gate * mix`, computed in fp32 and rounded once to the dtype
+    torch promotes the three to.
     """
+    check_gated(gate, residual)
     sources = _with_null_source(sources, null_source)
     if len(sources) == 1:
-        return sources[0]
-    weights = routing_weights(sources, query, key_norm_weight, num_heads, eps)  # [N, ..., H]
-    values = _stack_for_math(sources)
-    per_head = (*values.shape[:-1], num_heads, values.shape[-1] // num_heads)
-    mixed = (weights.unsqueeze(-1) * values.view(per_head)).sum(0)
-    return mixed.reshape(values.shape[1:]).to(sources[0].dtype)
+        mixed = sources[0]
+    else:
+        weights = routing_weights(sources, query, key_norm_weight, num_heads, eps)  # [N, ..., H]
+        values = _stack_for_math(sources)
+        per_head = (*values.shape[:-1], num_heads, values.shape[-1] // num_heads)
+        mixed = (weights.unsqueeze(-1) * values.view(per_head)).sum(0).reshape(values.shape[1:])
+    if gate is None:
+        return mixed.to(sources[0].dtype)
+    dtype = gated_dtype(gate, residual, sources[0].dtype)
+    math = torch.promote_types(dtype, torch.float32)
+    return (residual.to(math) + gate.to(math) * mixed.to(math)).to(dtype)
+
+
+def check_gated(gate: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+    if (gate is None) != (residual is None):
+        raise ValueError("a gated read needs both `gate` and `residual` (the stream it is added to), or neither")
+    if gate is not None and gate.numel() != 1:
+        raise ValueError(f"the gate is one number (shape (1,)); got shape {tuple(gate.shape)}")
+
+
+def gated_dtype(gate: torch.Tensor, residual: torch.Tensor, mix_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of `residual + gate * mix` under torch's promotion rules."""
+    return torch.promote_types(torch.promote_types(residual.dtype, gate.dtype), mix_dtype)
 
 
 def resolve_implementation(requested: str) -> str:
@@ -98,19 +121,21 @@ def route(
     eps: float,
     null_source: torch.Tensor | None = None,
     implementation: str = "auto",
+    gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch to the fused kernels when they apply, else to the reference op.
+    """`route_reference`, dispatched to the fused kernels when they apply.
 
     `auto` uses the kernels for CUDA sources when Triton is installed; `fused` asks for them
     anywhere they run. Calls the kernels do not cover fall back, with a one-time warning.
     """
     kernels = _kernels_for(implementation, sources[0]) if sources else None
     if kernels is not None:
-        reason = kernels.unsupported_reason(sources, query, num_heads, null_source)
+        reason = kernels.unsupported_reason(sources, query, num_heads, null_source, residual)
         if reason is None:
-            return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source)
+            return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
         _warn_once(f"{reason}; using the reference routing op for this call.")
-    return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source)
+    return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
 
 
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:

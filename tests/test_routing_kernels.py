@@ -151,14 +151,79 @@ def test_gated_router_gradients_match_fp64_reference():
     sources = [torch.randn(2, 7, 64, device=DEVICE, requires_grad=True) for _ in range(3)]
     twin_sources = [s.detach().double().requires_grad_() for s in sources]
     grad_out = torch.randn(2, 7, 64, device=DEVICE)
-    out, expected = router(tuple(sources)), twin(tuple(twin_sources))
+    stream = torch.randn(2, 7, 64, device=DEVICE, requires_grad=True)
+    twin_stream = stream.detach().double().requires_grad_()
+    out, expected = router(tuple(sources), residual=stream), twin(tuple(twin_sources), residual=twin_stream)
     out.backward(grad_out)
     expected.backward(grad_out.double())
     assert rel_rms(out, expected) < 1e-5
     for (name, p), (_, q) in zip(router.named_parameters(), twin.named_parameters(), strict=True):
         assert rel_rms(p.grad, q.grad) < 1e-5, name
-    for s, t in zip(sources, twin_sources, strict=True):
+    for s, t in zip([*sources, stream], [*twin_sources, twin_stream], strict=True):
         assert rel_rms(s.grad, t.grad) < 1e-5
+
+
+GATED_SHAPES = [  # (sources, width, heads, tokens, batch)
+    pytest.param(3, 320, 2, 9, 2, id="head-width-160"),
+    pytest.param(4, 36, 12, 13, 1, id="H=12"),
+    pytest.param(1, 64, 1, 37, 1, id="one-source-plus-null-H=1"),
+]
+
+
+def gated_inputs(n, width, tokens, batch, dtype):
+    sources, query, norm_weight, null_source = routing_inputs(n, width, tokens, batch, dtype, null=True)
+    g = torch.Generator().manual_seed(7 * n + width)
+    gate = torch.randn(1, generator=g).to(DEVICE, dtype)
+    residual = (3 * torch.randn(batch, tokens, width, generator=g)).to(DEVICE, dtype)
+    return [*sources, query, norm_weight, null_source, gate, residual]
+
+
+def gated_read_and_grads(fn, tensors, heads, grad_out):
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    *sources, query, norm_weight, null, gate, residual = tensors
+    out = fn(sources, query, norm_weight, heads, EPS, null, gate, residual)
+    return out, torch.autograd.grad(out, tensors, grad_out.to(out.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, width, heads, tokens, batch", GATED_SHAPES)
+def test_gated_read_and_every_gradient_match_fp64_reference(n, width, heads, tokens, batch, dtype):
+    """A delta-mode read, `residual + gate * mix` in one kernel: output and the gradients of the
+    sources, query, key-norm weight, null source, gate and residual against fp64."""
+    tensors = gated_inputs(n, width, tokens, batch, dtype)
+    grad_out = torch.randn(batch, tokens, width, device=DEVICE)
+    out, grads = gated_read_and_grads(fused_route, tensors, heads, grad_out)
+    ref, ref_grads = gated_read_and_grads(route_reference, [fp64(t) for t in tensors], heads, grad_out)
+    assert out.dtype == dtype and rel_rms(out, ref) < TOLERANCE[dtype]
+    names = [f"source {i}" for i in range(n)] + ["query", "key norm weight", "null source", "gate", "residual"]
+    for name, grad, expected in zip(names, grads, ref_grads, strict=True):
+        assert grad.dtype == dtype and grad.shape == expected.shape, name
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_closed_gate_returns_the_residual_bit_for_bit(dtype):
+    """Gate 0 (a freshly converted model): the fused read is its residual exactly, and only the
+    gate gets a gradient, equal to the reference's."""
+    tensors = gated_inputs(3, 64, 11, 2, dtype)
+    tensors[-2] = torch.zeros_like(tensors[-2])
+    grad_out = torch.randn(2, 11, 64, device=DEVICE)
+    out, grads = gated_read_and_grads(fused_route, tensors, 4, grad_out)
+    ref, ref_grads = gated_read_and_grads(route_reference, [fp64(t) for t in tensors], 4, grad_out)
+    assert torch.equal(out, tensors[-1])
+    *routing, dgate, dresidual = grads
+    assert all(torch.count_nonzero(g) == 0 for g in routing)
+    assert torch.equal(dresidual, grad_out.to(dtype))
+    assert rel_rms(dgate, ref_grads[-2]) < TOLERANCE[dtype]
+
+
+def test_a_gated_read_needs_its_residual():
+    sources, query, norm_weight, null = routing_inputs(2, 64, 5, null=True)
+    with pytest.raises(ValueError, match="both `gate` and `residual`"):
+        fused_route(sources, query, norm_weight, 4, EPS, null, gate=torch.ones(1))
+    with pytest.raises(ValueError, match="shape \\(1,\\)"):
+        route_reference(sources, query, norm_weight, 4, EPS, null, torch.ones(2), sources[0])
 
 
 def chained(mark):
@@ -343,12 +408,12 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing.fused import _tile
 
         types = dict(table="*i64", readers="*i64", src0_ptr="*bf16", src_ptr="*bf16", null_ptr="*bf16",
-                     q_ptr="*bf16", g_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
+                     q_ptr="*bf16", g_ptr="*bf16", gate_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
                      grad_in_ptr="*bf16", dsrc_ptr="*bf16",
                      lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
                      partial_ptr="*fp32",
                      num_sources="i32", num_readers="i32", T="i32", eps="fp32")
-        flags = dict(HAS_NULL=True, STORE_LSE=True, HAS_GRAD_IN=True)
+        flags = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True)
         for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2)):
             tile = dict(_tile(width, heads), BLOCK_T=block_t)
             for kernel in (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel):

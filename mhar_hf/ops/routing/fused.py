@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from mhar_hf.routing import check_gated, gated_dtype, route_reference
+
 from . import kernels
 
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,15 +69,25 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
 
 
 @functools.cache
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of the per-read backward, which keeps one partial sum per program: enough to fill
-    every multiprocessor with warps (memory latency is hidden by many loads in flight)."""
-    if device.type == "cuda":
-        return 16 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter: several token blocks per program, as on a GPU
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None):
+def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device) -> int:
+    """Programs of the per-read backward, each writing `partial_bytes` of partial sums: enough
+    to fill every multiprocessor with warps (memory latency is hidden by many loads in flight),
+    but no more than keep those partials under an eighth of the bytes the read's sources hold
+    (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms
+    per step went to writing and summing them)."""
+    multiprocessors = _multiprocessors(device)
+    if not multiprocessors:
+        return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
+    by_bytes = source_bytes // (8 * partial_bytes)
+    return min(token_blocks, 16 * multiprocessors, max(by_bytes, multiprocessors))
+
+
+def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
+                       residual=None):
     """Why the kernels cannot run this call (a sentence), or None when they can."""
     if not sources:
         return None
@@ -85,6 +97,8 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
         return f"fused routing runs on CUDA tensors (or under TRITON_INTERPRET=1), got device {device}"
     if dtype not in SOURCE_DTYPES or any(s.dtype != dtype or s.shape != shape or s.device != device for s in sources):
         return f"fused routing needs all sources of one shape, device and dtype out of {SOURCE_DTYPES}"
+    if residual is not None and (residual.shape != shape or residual.device != device or residual.dtype not in SOURCE_DTYPES):
+        return f"fused routing needs the residual shaped like the sources ({tuple(shape)}) on {device}"
     width = shape[-1]
     tensors = (query,) if null_source is None else (query, null_source)
     if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
@@ -185,17 +199,20 @@ def _with_table(sources) -> tuple[list[torch.Tensor], torch.Tensor]:
     return sources, _address_table(_addresses(sources), sources[0].device)
 
 
-def _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse):
+def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse):
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
     launch = _kernel_args("forward", width, num_heads)
-    out = _empty(first.shape, dtype=first.dtype if null_source is None else null_source.dtype, device=first.device)
+    dtype = first.dtype if null_source is None else null_source.dtype
+    if gate is not None:
+        dtype = gated_dtype(gate, residual, dtype)
+    out = _empty(first.shape, dtype=dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        table, first, query if null_source is None else null_source,
-        query, key_norm_weight, out, lse, len(sources), tokens, eps,
-        HAS_NULL=null_source is not None, STORE_LSE=store_lse, **launch,
+        table, first, query if null_source is None else null_source, query, key_norm_weight,
+        query if gate is None else gate, first if residual is None else residual, out, lse, len(sources), tokens, eps,
+        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse, **launch,
     )
     return out, lse
 
@@ -335,37 +352,42 @@ def _source_grad(source, records: list[ReadRecord], grad_in):
 class FusedRoute(torch.autograd.Function):
     """One read. The sources come as one tuple, not as autograd inputs: the read returns no
     gradient for them (their marks compute it from its record), and its one source input, the
-    newest mark, orders every mark's backward after its own (see _Chain)."""
+    newest mark, orders every mark's backward after its own (see _Chain). A gated read's
+    residual gets the output gradient as it is."""
 
     @staticmethod
-    def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, newest):
+    def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual, newest):
         sources, table = _with_table(sources)
-        out, lse = _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=True)
+        out, lse = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
+                            store_lse=True)
         # the sources are held, not saved: the table points at them. (Under non-reentrant
         # activation checkpointing this keeps alive a source made and read inside one layer,
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
-        ctx.save_for_backward(query, key_norm_weight, null_source, lse)
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, lse = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, lse = ctx.saved_tensors
         first = ctx.sources[0]
         width, device = first.shape[-1], first.device
         tokens = first.numel() // width
         launch = _kernel_args("site", width, ctx.num_heads)
-        programs = min(triton.cdiv(tokens, launch["BLOCK_T"]), _persistent_programs(device))
-        has_null = null_source is not None
+        has_null, has_gate = null_source is not None, gate is not None
+        params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
+        programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
+                                  * len(ctx.sources), 4 * width * len(params), device)
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         total = _empty((tokens, ctx.num_heads), dtype=torch.float32, device=device)
-        gq = _empty((width,), dtype=torch.float32, device=device)
-        params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
-        partials = _empty((len(params), programs, width), dtype=torch.float32, device=device)
+        gq = _empty((width + 1,), dtype=torch.float32, device=device)
+        sums_end = len(params) * programs * width
+        partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
         kernels.route_site_bwd_kernel[(programs,)](
             ctx.table, first, null_source if has_null else query, query, key_norm_weight,
-            lse, grad_out, total, gq, partials, len(ctx.sources), tokens, ctx.eps,
-            HAS_NULL=has_null, **launch,
+            gate if has_gate else query, lse, grad_out, total, gq, partials, len(ctx.sources), tokens, ctx.eps,
+            HAS_NULL=has_null, HAS_GATE=has_gate, **launch,
         )
         record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
                             _addresses((grad_out, lse, total, gq)))
@@ -374,13 +396,15 @@ class FusedRoute(torch.autograd.Function):
 
         # one deterministic reduction of the per-program partials, and few small ops after it:
         # each costs the host more than the GPU
-        sums = partials.sum(1)
+        sums = partials[:sums_end].view(len(params), programs, width).sum(1)
         if len({p.dtype for p in params}) == 1:
             grads = sums.to(query.dtype).unbind(0)
         else:
             grads = [row.to(p.dtype) for row, p in zip(sums, params)]
         dnull = grads[2] if has_null else None
-        return None, None, None, None, grads[0], grads[1], dnull, None
+        dgate = partials[sums_end:].sum(0, keepdim=True).to(gate.dtype) if has_gate else None
+        dresidual = grad_out.to(ctx.residual_dtype) if has_gate and ctx.needs_input_grad[8] else None
+        return None, None, None, None, grads[0], grads[1], dnull, dgate, dresidual, None
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
@@ -391,20 +415,25 @@ def fused_route(
     num_heads: int,
     eps: float,
     null_source: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`route_reference` computed by the Triton kernels (same arguments, same result).
 
     Sources marked with `track` where they are made, each after the one made before it, get
     their gradient computed once, from all their reads; others are marked here, per call
     (correct, but one source kernel per read)."""
+    check_gated(gate, residual)
     sources = tuple(sources)
-    if null_source is None and len(sources) == 1:
-        return sources[0]
-    if not sources:
-        return null_source
-    inputs = (query, key_norm_weight, null_source, *sources)
+    if len(sources) + (null_source is not None) == 1:  # nothing to mix
+        return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
+    if residual is not None:
+        residual = residual.contiguous()
+    inputs = (query, key_norm_weight, null_source, gate, residual, *sources)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         sources, marks, newest = _on_one_chain(sources)
-        return FusedRoute.apply(num_heads, eps, sources, marks, query, key_norm_weight, null_source, newest)
+        return FusedRoute.apply(num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual,
+                                newest)
     sources, table = _with_table(sources)
-    return _forward(sources, table, query, key_norm_weight, null_source, num_heads, eps, store_lse=False)[0]
+    return _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
+                    store_lse=False)[0]

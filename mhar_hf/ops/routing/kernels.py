@@ -15,6 +15,8 @@ With w = softmax(logit), P_nh = <dout_h, x_nh>, S_h = sum_n w_nh P_nh and dlogit
 the gradient of source n through one read is
     dx_n = w_n dout + dlogit_n rstd_n (g*q) - rstd_n^3 / D * (sum_h dlogit_nh dots_nh) * x_n
 and the query / key-norm weight get `g * A`, `q * A` with A = sum_n dlogit_n rstd_n x_n.
+A gated read (delta mode) returns residual + gate * mix in one pass: its backward runs on the
+gradient of that sum, scales every term above by the gate, and gives the gate sum_t sum_h S_h.
 The backward is split the way autograd visits the model, so that each byte is read once:
   - `route_site_bwd_kernel` runs when a read's output gradient arrives: one pass over its
     sources gives S and A (no source gradient is written);
@@ -22,7 +24,7 @@ The backward is split the way autograd visits the model, so that each byte is re
     backward: one pass over the output gradients of those reads gives the source's whole
     gradient, summed in fp32 and written once.
 Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
-with one deterministic reduction.
+with deterministic reductions.
 """
 
 import triton
@@ -117,13 +119,14 @@ def _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D: tl.con
 
 @triton.jit
 def route_fwd_kernel(
-    table, src0_ptr, null_ptr, q_ptr, g_ptr, out_ptr, lse_ptr,
+    table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
     num_sources, T, eps,
-    HAS_NULL: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """out = the routed mix; lse = per-head log-sum-exp of the logits (all the backward needs)."""
+    """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
+    per-head log-sum-exp of the logits (all the backward needs)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -146,8 +149,14 @@ def route_fwd_kernel(
         x_lo, x_hi = next_lo, next_hi
         next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D)
+    in_range = (tok < T)[:, None, None]
     inv = 1.0 / l[:, :, None]
-    _store_rows(out_ptr, row_offs, (tok < T)[:, None, None], acc_lo * inv, acc_hi * inv, *cols)
+    out_lo, out_hi = acc_lo * inv, acc_hi * inv
+    if HAS_GATE:
+        gate = tl.load(gate_ptr).to(tl.float32)
+        res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
+        out_lo, out_hi = res_lo + gate * out_lo, res_hi + gate * out_hi
+    _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
     if STORE_LSE:
         tl.store(lse_ptr + tok[:, None] * H + head[None, :], m + tl.log(l),
                  mask=(tok < T)[:, None] & (head < H)[None, :])
@@ -162,28 +171,37 @@ def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.cons
 
 @triton.jit
 def route_site_bwd_kernel(
-    table, src0_ptr, null_ptr, q_ptr, g_ptr, lse_ptr, dout_ptr,
+    table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
     total_ptr, gq_ptr, partial_ptr,
     num_sources, T, eps,
-    HAS_NULL: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
-    source kernel), g*q in fp32 (`gq`, so the source kernel never touches the parameters, which
-    FSDP may have freed by then), and each program's partial sums of the query's, the key-norm
-    weight's and the null source's gradients: rows 0, 1, 2 of `partial_ptr`, each
-    [programs, D]. One pass: A = sum_n w (P - S) rstd x is gathered as
-    sum_n w P rstd x - S * sum_n w rstd x, since S is only known at the end."""
+    source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
+    so the source kernel never touches the parameters, which FSDP may have freed by then), and
+    each program's partial sums of the query's, the key-norm weight's and the null source's
+    gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]).
+    One pass: A = sum_n w (P - S) rstd x is gathered as sum_n w P rstd x - S * sum_n w rstd x,
+    since S is only known at the end. With a gate, `dout_ptr` is the gradient of
+    residual + gate * mix: every term is computed for the mix and scaled by the gate once, and
+    the gate's gradient is sum_t sum_h S_h = sum_t <dout, mix>."""
     pid = tl.program_id(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     q_lo, q_hi = _load_vector(q_ptr, *cols)
     g_lo, g_hi = _load_vector(g_ptr, *cols)
     gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
+    if HAS_GATE:
+        scale = tl.load(gate_ptr).to(tl.float32)
+    else:
+        scale = tl.full((), 1.0, tl.float32)
     if pid == 0:
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
+        tl.store(gq_ptr + D, scale)
+    dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     dkey_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
     dkey_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
     dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
@@ -236,15 +254,18 @@ def route_site_bwd_kernel(
         dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
         dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
         tl.store(total_ptr + stat_offs, total, mask=stat_mask)
+        dgate += total  # zero in padded rows and heads
 
     row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
-    tl.store(partial_ptr + pid * D + col_lo, dkey_lo * g_lo, mask=mask_lo)
-    tl.store(partial_ptr + pid * D + col_hi, dkey_hi * g_hi, mask=mask_hi)
-    tl.store(partial_ptr + row + pid * D + col_lo, dkey_lo * q_lo, mask=mask_lo)
-    tl.store(partial_ptr + row + pid * D + col_hi, dkey_hi * q_hi, mask=mask_hi)
+    tl.store(partial_ptr + pid * D + col_lo, scale * dkey_lo * g_lo, mask=mask_lo)
+    tl.store(partial_ptr + pid * D + col_hi, scale * dkey_hi * g_hi, mask=mask_hi)
+    tl.store(partial_ptr + row + pid * D + col_lo, scale * dkey_lo * q_lo, mask=mask_lo)
+    tl.store(partial_ptr + row + pid * D + col_hi, scale * dkey_hi * q_hi, mask=mask_hi)
     if HAS_NULL:
-        tl.store(partial_ptr + 2 * row + pid * D + col_lo, dnull_lo, mask=mask_lo)
-        tl.store(partial_ptr + 2 * row + pid * D + col_hi, dnull_hi, mask=mask_hi)
+        tl.store(partial_ptr + 2 * row + pid * D + col_lo, scale * dnull_lo, mask=mask_lo)
+        tl.store(partial_ptr + 2 * row + pid * D + col_hi, scale * dnull_hi, mask=mask_hi)
+    if HAS_GATE:
+        tl.store(partial_ptr + (2 + HAS_NULL) * row + pid, tl.sum(tl.sum(dgate, 1), 0))
 
 
 @triton.jit
@@ -257,7 +278,7 @@ def route_source_bwd_kernel(
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 4] address table: per
-    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D])."""
+    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D]) followed by its scale."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -278,10 +299,13 @@ def route_source_bwd_kernel(
         lse = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
                       other=float("inf"))
         total = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
-        gq_lo, gq_hi = _load_vector(_address(readers, k, num_readers, stat0_ptr, 4, 3), *cols)
+        gq_ptr = _address(readers, k, num_readers, stat0_ptr, 4, 3)
+        gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
+        scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
         dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
         w = tl.exp(dots * rstd[:, None] - lse)
-        dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total)
+        dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total) * scale
+        w = w * scale
         w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
         acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
         acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
