@@ -184,11 +184,15 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         )
         return getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
 
-    def attention_sublayer(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+    # Each sublayer adds its output to `residual` when given one: inside the sublayer, so that a
+    # compiled sublayer fuses the add (and its backward) instead of leaving an eager kernel each.
+    def attention_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, **kwargs):
+        out = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+        return out if residual is None else residual + out
 
-    def mlp_sublayer(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(hidden_states))
+    def mlp_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.mlp(self.post_attention_layernorm(hidden_states))
+        return out if residual is None else residual + out
 
     def depth_source(self, tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
         """A tensor routing sites will read, marked where it is made, after the depth source made
@@ -196,8 +200,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return track(tensor, self.routing_implementation, after)
 
     def _forward_standard(self, hidden, attend):
-        hidden = hidden + attend(hidden)
-        return hidden + self.mlp_sublayer(hidden)
+        hidden = attend(hidden, residual=hidden)
+        return self.mlp_sublayer(hidden, residual=hidden)
 
     def _forward_full(self, sources, attend):
         hidden = self.attn_router(sources) if self.attn_router is not None else sources[0]
@@ -207,14 +211,13 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def _forward_block(self, residual, attend):
         blocks, newest = residual
         hidden = self.attn_router((*blocks, newest)) if self.attn_router is not None else newest
-        attn_out = attend(hidden)
         if self.starts_block:
-            blocks, running = (*blocks, newest), attn_out
+            blocks, running = (*blocks, newest), attend(hidden)
         else:
-            running = newest + attn_out
+            running = attend(hidden, residual=newest)
         running = self.depth_source(running, after=newest)
-        mlp_out = self.mlp_sublayer(self.mlp_router((*blocks, running)))
-        return blocks, self.depth_source(running + mlp_out, after=running)
+        running_after_mlp = self.mlp_sublayer(self.mlp_router((*blocks, running)), residual=running)
+        return blocks, self.depth_source(running_after_mlp, after=running)
 
     def _forward_delta(self, residual, attend):
         stream, blocks, boundary = residual
@@ -223,8 +226,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             delta = stream - boundary if blocks else stream
             blocks = (*blocks, self.depth_source(delta, after=blocks[-1] if blocks else None))
             boundary = stream
-        stream = stream + attend(hidden)
-        stream = stream + self.mlp_sublayer(self.mlp_router(blocks, residual=stream))
+        stream = attend(hidden, residual=stream)
+        stream = self.mlp_sublayer(self.mlp_router(blocks, residual=stream), residual=stream)
         return stream, blocks, boundary
 
 
