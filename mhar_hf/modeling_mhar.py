@@ -61,8 +61,7 @@ class MHARRouter(nn.Module):
             self.gate = nn.Parameter(torch.zeros(1))  # 1-D: FSDP rejects 0-d parameters
 
     def forward(self, sources: tuple[torch.Tensor, ...], residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gated and residual is None:
-            raise ValueError("a gated (delta-mode) router adds its read to the residual stream: pass `residual`")
+        """The read; a gated router needs the `residual` stream it adds to (route checks)."""
         return route(
             sources,
             self.query,
@@ -72,7 +71,7 @@ class MHARRouter(nn.Module):
             null_source=self.null_source if self.gated else None,
             implementation=self.implementation,
             gate=self.gate if self.gated else None,
-            residual=residual if self.gated else None,
+            residual=residual,
         )
 
     def extra_repr(self) -> str:

@@ -254,7 +254,8 @@ def route_site_bwd_kernel(
         dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
         dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
         tl.store(total_ptr + stat_offs, total, mask=stat_mask)
-        dgate += total  # zero in padded rows and heads
+        if HAS_GATE:
+            dgate += total  # zero in padded rows and heads
 
     row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
     tl.store(partial_ptr + pid * D + col_lo, scale * dkey_lo * g_lo, mask=mask_lo)
