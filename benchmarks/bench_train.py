@@ -25,7 +25,7 @@ import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
-from mhar_hf.ops.routing import fused_route, track
+from mhar_hf.ops.routing import fused_route, fused_route_and_start, track
 from mhar_hf.ops.routing.fused import LAUNCH
 
 MICRO_BATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
@@ -114,21 +114,24 @@ def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: b
     )
 
 
-def record_routing_sites(model: MHARForCausalLM) -> list[int]:
-    """A list that the model's next forward fills with the number of sources (null source
-    included) each routing site reads; one-source reads return their source and are left out."""
-    counts = []
+def record_routing_sites(model: MHARForCausalLM) -> list[tuple[int, str]]:
+    """A list that the model's next forward fills with, per routing site, the number of sources
+    (null source included) it reads and how: "whole", or as the first ("begin") or second
+    ("end") read of a split pair (`route_and_start`). One-source reads return their source and
+    are left out."""
+    sites = []
 
-    def hook(router, args):
+    def hook(router, args, kwargs):
         n = len(args[0]) + router.gated
-        if n > 1 and len(counts) < router_count:
-            counts.append(n)
+        role = "begin" if kwargs.get("begin") is not None else "end" if kwargs.get("prefix") is not None else "whole"
+        if n > 1 and len(sites) < router_count:
+            sites.append((n, role))
 
     routers = [m for m in model.modules() if isinstance(m, MHARRouter)]
     router_count = len(routers)
     for router in routers:
-        router.register_forward_pre_hook(hook)
-    return counts
+        router.register_forward_pre_hook(hook, with_kwargs=True)
+    return sites
 
 
 def copy_bandwidth() -> float:
@@ -139,36 +142,55 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
-def time_routing(sites: list[int], gated: bool, tokens: int, width: int, heads: int, bandwidth: float) -> dict:
+def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: int, heads: int,
+                 bandwidth: float) -> dict:
     """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
-    op (delta mode's gated reads as the model makes them: `stream + gate * mix`), against the floor:
-    every source (and a gated read's stream) read once and the output written once (forward); in the
-    backward the sources and the output gradient read once and every source gradient written once.
+    op, made as the model makes them (delta mode's gated reads: `stream + gate * mix`; full mode's
+    split pairs), against the floor of the bytes they must move: per read, every source (and a gated
+    read's stream) read once and the output written once in the forward, its sources and output
+    gradient read once in the site backward and the output gradient once more per source it reads;
+    a split pair reads the second read's sources once for both reads, in each of the two passes.
     Also the wall time of forward + backward alone, which the host's launch time can bound."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    table_sources = max(sites) - gated
+    table_sources = max(n for n, _ in sites) - gated
     sources = [torch.randn(tokens, width, **bf16, requires_grad=True) for _ in range(table_sources)]
     query = (torch.randn(width, **bf16) / width**0.5).requires_grad_()
     norm_weight = torch.ones(width, **bf16, requires_grad=True)
+    second_query = (torch.randn(width, **bf16) / width**0.5).requires_grad_()  # a pair's second read
+    second_norm_weight = torch.ones(width, **bf16, requires_grad=True)
     null = torch.randn(width, **bf16, requires_grad=True) if gated else None
     gate = torch.randn(1, **bf16, requires_grad=True) if gated else None
     stream = torch.randn(tokens, width, **bf16, requires_grad=True) if gated else None
     grad = torch.randn(tokens, width, **bf16)
-    params = [query, norm_weight] + ([null, gate, stream] if gated else [])
+    paired = any(role == "begin" for _, role in sites)
+    params = [query, norm_weight] + ([null, gate, stream] if gated else []) + (
+        [second_query, second_norm_weight] if paired else [])
 
     def forward():  # sources marked once per step and chained, as the model marks them where it makes them
-        tracked = []
+        tracked, outs, prefix = [], [], None
         for s in sources:
             tracked.append(track(s, after=tracked[-1] if tracked else None))
-        return [fused_route(tracked[: n - gated], query, norm_weight, heads, 1e-6, null, gate, stream) for n in sites]
+        for n, role in sites:
+            read = tracked[: n - gated]
+            if role == "begin":
+                out, prefix = fused_route_and_start(read, query, norm_weight, second_query, second_norm_weight, heads, 1e-6)
+            elif role == "end":
+                out = fused_route(read, second_query, second_norm_weight, heads, 1e-6, prefix=prefix)
+            else:
+                out = fused_route(read, query, norm_weight, heads, 1e-6, null, gate, stream)
+            outs.append(out)
+        return outs
 
     def forward_backward():
         outs = forward()
         torch.autograd.grad(outs, sources + params, [grad] * len(outs))
 
+    fwd_units = bwd_units = 0  # in [tokens, width] bf16 tensors
+    for n, role in sites:
+        fwd_units += 1 + (n if role != "begin" else 0)  # a gated read's n + 1: its stream
+        bwd_units += 1 + (n - gated) * (2 if role != "begin" else 1)
     unit = tokens * width * 2
-    floor_fwd = sum((n + 1) * unit for n in sites) / bandwidth * 1e3  # a gated read also reads its residual
-    floor_bwd = sum((2 * (n - gated) + 1) * unit for n in sites) / bandwidth * 1e3
+    floor_fwd, floor_bwd = fwd_units * unit / bandwidth * 1e3, bwd_units * unit / bandwidth * 1e3
     fwd_ms, fwd_bwd_ms = routing_kernel_ms(forward), routing_kernel_ms(forward_backward)
     return dict(
         sites=len(sites),

@@ -27,10 +27,11 @@ CHOICES = {
 }
 
 
-def full_mode_sites(layers: int) -> list[int]:
-    """Sources per multi-source read of a full-mode model: the MLP read of layer 0, both reads
-    of every later layer, the final read."""
-    return [2] + [n for i in range(1, layers) for n in (2 * i + 1, 2 * i + 2)] + [2 * layers + 1]
+def full_mode_sites(layers: int) -> list[tuple[int, str]]:
+    """(sources, role) per multi-source read of a full-mode model, as `bench_train.time_routing`
+    takes them: the MLP read of layer 0, the split pair of every later layer, the final read."""
+    pairs = [site for i in range(1, layers) for site in ((2 * i + 1, "begin"), (2 * i + 2, "end"))]
+    return [(2, "whole"), *pairs, (2 * layers + 1, "whole")]
 
 
 def main():

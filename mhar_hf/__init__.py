@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .configuration_mhar import PRESETS, RESIDUAL_MODES, MHARConfig
 from .modeling_mhar import MHARForCausalLM, MHARModel, MHARPreTrainedModel, MHARRouter
 from .remote_code import save_remote_code
-from .routing import route, route_reference, routing_keys, routing_weights
+from .routing import route, route_and_start, route_reference, routing_keys, routing_weights
 
 AutoConfig.register(MHARConfig.model_type, MHARConfig, exist_ok=True)
 AutoModel.register(MHARConfig, MHARModel, exist_ok=True)
@@ -24,6 +24,7 @@ __all__ = [
     "PRESETS",
     "RESIDUAL_MODES",
     "route",
+    "route_and_start",
     "route_reference",
     "routing_keys",
     "routing_weights",

@@ -41,7 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhar import MHARConfig
-from .routing import route, track
+from .routing import route, route_and_start, track
 
 
 class MHARRouter(nn.Module):
@@ -60,8 +60,23 @@ class MHARRouter(nn.Module):
             self.null_source = nn.Parameter(torch.zeros(config.hidden_size))
             self.gate = nn.Parameter(torch.zeros(1))  # 1-D: FSDP rejects 0-d parameters
 
-    def forward(self, sources: tuple[torch.Tensor, ...], residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The read; a gated router needs the `residual` stream it adds to (route checks)."""
+    def forward(
+        self,
+        sources: tuple[torch.Tensor, ...],
+        residual: torch.Tensor | None = None,
+        prefix=None,
+        begin: "MHARRouter | None" = None,
+    ):
+        """The read; a gated router needs the `residual` stream it adds to (route checks).
+
+        Split reads (see `routing.route_and_start`): with `begin`, the router whose read takes
+        these sources and more, returns (read, prefix), and that router's read then gets
+        `prefix=prefix` with its sources."""
+        if begin is not None:
+            if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
+                raise ValueError("a split read pairs two ungated routers of the same heads and eps")
+            return route_and_start(sources, self.query, self.key_norm_weight, begin.query, begin.key_norm_weight,
+                                   self.num_heads, self.eps, self.implementation)
         return route(
             sources,
             self.query,
@@ -72,6 +87,7 @@ class MHARRouter(nn.Module):
             implementation=self.implementation,
             gate=self.gate if self.gated else None,
             residual=residual,
+            prefix=prefix,
         )
 
     def extra_repr(self) -> str:
@@ -203,9 +219,14 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return self.mlp_sublayer(hidden, residual=hidden)
 
     def _forward_full(self, sources, attend):
-        hidden = self.attn_router(sources) if self.attn_router is not None else sources[0]
+        # the MLP read takes the attention read's sources and one more: one pass serves both
+        if self.attn_router is not None:
+            hidden, prefix = self.attn_router(sources, begin=self.mlp_router)
+        else:
+            hidden, prefix = sources[0], None
         sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
-        return (*sources, self.depth_source(self.mlp_sublayer(self.mlp_router(sources)), after=sources[-1]))
+        hidden = self.mlp_router(sources, prefix=prefix)
+        return (*sources, self.depth_source(self.mlp_sublayer(hidden), after=sources[-1]))
 
     def _forward_block(self, residual, attend):
         blocks, newest = residual

@@ -123,12 +123,18 @@ def route(
     implementation: str = "auto",
     gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    prefix=None,
 ) -> torch.Tensor:
     """`route_reference`, dispatched to the fused kernels when they apply.
 
     `auto` uses the kernels for CUDA sources when Triton is installed; `fused` asks for them
     anywhere they run. Calls the kernels do not cover fall back, with a one-time warning.
+    `prefix` (from `route_and_start`) ends the read begun there; None: the read runs whole.
     """
+    if prefix is not None:  # only the fused path makes one
+        return _fused_kernels(required=True).fused_route(
+            sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual, prefix=prefix
+        )
     kernels = _kernels_for(implementation, sources[0]) if sources else None
     if kernels is not None:
         reason = kernels.unsupported_reason(sources, query, num_heads, null_source, residual)
@@ -136,6 +142,34 @@ def route(
             return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
         _warn_once(f"{reason}; using the reference routing op for this call.")
     return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
+
+
+def route_and_start(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    next_query: torch.Tensor,
+    next_key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    implementation: str = "auto",
+):
+    """`route(sources, query, key_norm_weight, ...)`, and a prefix for the next read
+    (`next_query`, `next_key_norm_weight`) when that read takes these sources and more:
+    `route(more_sources, next_query, next_key_norm_weight, ..., prefix=prefix)` then folds in
+    only the sources added. On the fused path both reads share one pass over the common sources
+    in the forward and one in the site backward (full mode's attention and MLP reads); elsewhere
+    the prefix is None and the next read runs whole. Ungated reads only.
+    """
+    kernels = _kernels_for(implementation, sources[0]) if sources else None
+    if kernels is not None:
+        reason = (kernels.unsupported_reason(sources, query, num_heads)
+                  or kernels.unsupported_reason(sources, next_query, num_heads))
+        if reason is None:
+            return kernels.fused_route_and_start(sources, query, key_norm_weight, next_query, next_key_norm_weight,
+                                                 num_heads, eps)
+        _warn_once(f"{reason}; using the reference routing op for this call.")
+    return route_reference(sources, query, key_norm_weight, num_heads, eps), None
 
 
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mhar_hf.ops.routing import fused, fused_route
+from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, track
 from mhar_hf.routing import route, route_reference
 from mhar_hf.tiny import tiny_config
 
@@ -246,7 +246,7 @@ def test_tracked_sources_sum_every_read_and_other_uses(spies, marking, heads=4):
     the order autograd needs), each read marks its sources again: more launches, same result."""
     from mhar_hf.ops.routing import track
 
-    _, _, source_kernel = spies
+    _, _, source_kernel, _ = spies
 
     def model(route_fn, sources, params, mark_all):
         sources = mark_all(sources)
@@ -271,6 +271,85 @@ def test_tracked_sources_sum_every_read_and_other_uses(spies, marking, heads=4):
         assert [len(r.grad_fn.next_functions) for r in reads] == [3, 4, 3]
     else:
         assert source_kernel.launches == 2 + 3 + 4
+
+
+SPLIT_SHAPES = [  # (sources both reads take, sources only the second takes, width, heads, tokens)
+    pytest.param(3, 1, 64, 4, 37, id="tokens-not-a-block-multiple"),
+    pytest.param(2, 2, 320, 2, 9, id="head-width-160-two-more"),
+    pytest.param(4, 1, 36, 12, 13, id="H=12"),
+    pytest.param(2, 1, 64, 1, 21, id="H=1"),
+]
+
+
+def split_pair(sources, params, shared, heads, fused):
+    """The two reads of a split pair (fused) or the same two reads whole (reference)."""
+    (q1, g1), (q2, g2) = params
+    if not fused:
+        return route_reference(sources[:shared], q1, g1, heads, EPS), route_reference(sources, q2, g2, heads, EPS)
+    first, prefix = fused_route_and_start(sources[:shared], q1, g1, q2, g2, heads, EPS)
+    return first, fused_route(sources, q2, g2, heads, EPS, prefix=prefix)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("loss_of", ["both", "first", "second"])
+@pytest.mark.parametrize("shared, more, width, heads, tokens", SPLIT_SHAPES)
+def test_split_reads_and_every_gradient_match_fp64_reference(shared, more, width, heads, tokens, loss_of, dtype):
+    """A read begun with the one before it (one forward pass, one site pass for both) gives both
+    reads' outputs and every gradient of the two reads computed whole; also when only one of
+    them reaches the loss."""
+    sources = routing_inputs(shared + more, width, tokens, 2, dtype)[0]
+    params = [routing_inputs(1, width, tokens + i, dtype=dtype)[1:3] for i in range(2)]
+    weights = [torch.randn(2, tokens, width, device=DEVICE) for _ in range(2)]
+    used = [loss_of in ("both", "first"), loss_of in ("both", "second")]
+
+    def run(fused):
+        cast = (lambda t: t) if fused else fp64
+        leaves = [cast(t).detach().clone().requires_grad_() for t in (*sources, *params[0], *params[1])]
+        n = len(sources)
+        marked = chained(track)(leaves[:n]) if fused else leaves[:n]
+        outs = split_pair(marked, [leaves[n : n + 2], leaves[n + 2 :]], shared, heads, fused)
+        sum((o.double() * w.double()).sum() for o, w, u in zip(outs, weights, used) if u).backward()
+        return outs, [leaf.grad for leaf in leaves]
+
+    (outs, grads), (ref_outs, ref_grads) = run(fused=True), run(fused=False)
+    for out, ref in zip(outs, ref_outs):
+        assert out.dtype == dtype and rel_rms(out, ref) < TOLERANCE[dtype]
+    names = [f"source {i}" for i in range(len(sources))] + ["query 1", "key norm 1", "query 2", "key norm 2"]
+    for name, grad, expected in zip(names, grads, ref_grads, strict=True):
+        if expected is None:  # not on the loss's path: no gradient, or zeros
+            assert grad is None or not grad.any(), name
+            continue
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected) < TOLERANCE[dtype], name
+
+
+def test_split_reads_without_gradients_match_the_training_forward():
+    sources = routing_inputs(4, 64, 11)[0]
+    params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
+    with torch.no_grad():
+        inference = split_pair(sources, params, 3, 4, fused=True)
+    params[1][0].requires_grad_()
+    training = split_pair(sources, params, 3, 4, fused=True)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(inference, training, strict=True))
+
+
+def test_a_begun_read_ends_once_with_its_sources_and_query():
+    sources = routing_inputs(4, 64, 11)[0]
+    (q1, g1), (q2, g2) = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
+    _, prefix = fused_route_and_start(sources[:3], q1, g1, q2, g2, 4, EPS)
+    with pytest.raises(ValueError, match="starts with|start with"):
+        fused_route(sources[1:], q2, g2, 4, EPS, prefix=prefix)
+    with pytest.raises(ValueError, match="at least one more"):
+        fused_route(sources[:3], q2, g2, 4, EPS, prefix=prefix)
+    with pytest.raises(ValueError, match="query"):
+        fused_route(sources, q1, g1, 4, EPS, prefix=prefix)
+    fused_route(sources, q2, g2, 4, EPS, prefix=prefix)
+    with pytest.raises(ValueError, match="ends once"):
+        fused_route(sources, q2, g2, 4, EPS, prefix=prefix)
+    with torch.no_grad():
+        _, prefix = fused_route_and_start(sources[:3], q1, g1, q2, g2, 4, EPS)
+    with pytest.raises(ValueError, match="same grad mode"):
+        fused_route(sources, q2.requires_grad_(), g2, 4, EPS, prefix=prefix)
 
 
 def test_reads_with_outputs_of_two_dtypes():
@@ -338,28 +417,41 @@ def test_a_partial_backward_leaves_nothing_behind():
 
 
 class LaunchSpy:
-    """Wraps a kernel: counts launches, then launches it."""
+    """Wraps a kernel: records each launch's flags (HAS_*), then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.flags = kernel, []
+
+    @property
+    def launches(self) -> int:
+        return len(self.flags)
+
+    def count(self, flag: str) -> int:
+        return sum(flag in flags for flags in self.flags)
 
     def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
+        def launch(*args, **kwargs):
+            self.flags.append({k for k, v in kwargs.items() if k.startswith("HAS_") and v})
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+SPIED = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel")
 
 
 @pytest.fixture
 def spies(monkeypatch):
-    """Launch counters of the forward, per-read backward and per-source backward kernels."""
+    """Launch records of the forward, per-read backward, per-source backward and S-from-output kernels."""
     counters = {}
-    for name in ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel"):
+    for name in SPIED:
         counters[name] = LaunchSpy(getattr(fused.kernels, name))
         monkeypatch.setattr(fused.kernels, name, counters[name])
     return counters.values()
 
 
 def test_dispatch_runs_the_kernels(spies, monkeypatch):
-    forward, site, source = spies
+    forward, site, source, _ = spies
     sources, query, norm_weight, _ = routing_inputs(3, 64, 9)
     query.requires_grad_()
     route(sources, query, norm_weight, 4, EPS, implementation="auto" if GPU else "fused").sum().backward()
@@ -369,22 +461,26 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
     assert forward.launches == 1
 
 
-# (mode, reads, sources) of the 4-layer, 2-block tiny model. full: every attention router but
-# layer 0's, every MLP router and the final one read; the embedding and every sublayer output
-# are sources. block: the same reads; the embedding and the running sum after every sublayer.
-# delta: no final read; the two block deltas.
-MODEL_READS = [("full", 8, 9), ("block", 8, 9), ("delta", 7, 2)]
+# (mode, reads, sources, split pairs) of the 4-layer, 2-block tiny model. full: every attention
+# router but layer 0's, every MLP router and the final one read; the embedding and every
+# sublayer output are sources; layers 1-3 pair their attention and MLP reads. block: the same
+# reads, the embedding and the running sum after every sublayer. delta: no final read; the two
+# block deltas.
+MODEL_READS = [("full", 8, 9, 3), ("block", 8, 9, 0), ("delta", 7, 2, 0)]
 
 
-@pytest.mark.parametrize("mode, reads, sources", MODEL_READS)
-def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources):
+@pytest.mark.parametrize("mode, reads, sources, pairs", MODEL_READS)
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs):
     from mhar_hf import MHARForCausalLM
 
-    forward, site, source = spies
+    forward, site, source, totals = spies
     model = MHARForCausalLM(tiny_config(residual_mode=mode, routing_implementation="fused")).to(DEVICE)
     model(torch.randint(0, 384, (1, 6), device=DEVICE)).logits.sum().backward()
     # each source gets its gradient from one launch, for all its reads: none was marked again
-    assert (forward.launches, site.launches, source.launches) == (reads, reads, sources)
+    assert (forward.launches, source.launches) == (reads, sources)
+    # a pair: one forward pass begins the second read, one more ends it; one site pass serves both
+    assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs)
+    assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
 
 
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
@@ -401,6 +497,7 @@ def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
 def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
+        import itertools
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -411,16 +508,20 @@ def test_kernels_compile_for_sm90():
                      q_ptr="*bf16", g_ptr="*bf16", gate_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
                      grad_in_ptr="*bf16", dsrc_ptr="*bf16",
                      lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
-                     partial_ptr="*fp32",
-                     num_sources="i32", num_readers="i32", T="i32", eps="fp32")
-        flags = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True)
-        for width, heads, block_t, warps in ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2)):
+                     partial_ptr="*fp32", q2_ptr="*bf16", g2_ptr="*bf16", prefix_acc_ptr="*fp32",
+                     prefix_stat_ptr="*fp32", lse2_ptr="*fp32", dout2_ptr="*bf16", total2_ptr="*fp32",
+                     num_sources="i32", num_second="i32", num_readers="i32", T="i32", eps="fp32")
+        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False)
+        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True)
+        shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
+        every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
+                        kernels.route_total_kernel)
+        for (width, heads, block_t, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
             tile = dict(_tile(width, heads), BLOCK_T=block_t)
-            for kernel in (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel):
-                constexprs = {k: v for k, v in dict(flags, **tile).items() if k in kernel.arg_names}
-                signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-                triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=warps))
+            constexprs = {k: v for k, v in dict(flags, **tile).items() if k in kernel.arg_names}
+            signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+            triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps))
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -9,6 +9,8 @@ gradient is summed in fp32 and written once, instead of being written by every r
 up by autograd (DESIGN.md section 4, the source-major backward). Marks made in order form a
 chain (`_Chain`), so a read's one autograd input, its newest source, is enough to order every
 source's backward after its own: no autograd edge or saved tensor per source it reads.
+`FusedRoutePair` and `FusedRouteEnd` are the two reads of a split pair (`fused_route_and_start`),
+which share the forward's and the site backward's passes over their common sources.
 """
 
 from __future__ import annotations
@@ -199,7 +201,18 @@ def _with_table(sources) -> tuple[list[torch.Tensor], torch.Tensor]:
     return sources, _address_table(_addresses(sources), sources[0].device)
 
 
-def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse):
+class SoftmaxState(NamedTuple):
+    """A read's online softmax after its leading sources: the unnormalised mix (fp32 [T, d]) and
+    the running max and sum (fp32 [2, T, H])."""
+
+    acc: torch.Tensor
+    stat: torch.Tensor
+
+
+def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse,
+             second=None, init: SoftmaxState | None = None):
+    """One read's output and lse. `second` = (query, key-norm weight) of a read begun over the same
+    sources: its state comes back as a third value. `init`: the state this read starts from."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
@@ -209,12 +222,19 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
         dtype = gated_dtype(gate, residual, dtype)
     out = _empty(first.shape, dtype=dtype, device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
+    state = init
+    if second is not None:
+        state = SoftmaxState(_empty((tokens, width), dtype=torch.float32, device=first.device),
+                             _empty((2, tokens, num_heads), dtype=torch.float32, device=first.device))
+    q2, g2 = second if second is not None else (query, key_norm_weight)
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, first, query if null_source is None else null_source, query, key_norm_weight,
-        query if gate is None else gate, first if residual is None else residual, out, lse, len(sources), tokens, eps,
-        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse, **launch,
+        query if gate is None else gate, first if residual is None else residual, out, lse,
+        q2, g2, *(state if state is not None else (out, lse)), len(sources), tokens, eps,
+        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
+        HAS_INIT=init is not None, HAS_SECOND=second is not None, **launch,
     )
-    return out, lse
+    return out, lse, (state if second is not None else None)
 
 
 class _Chain:
@@ -358,8 +378,8 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual, newest):
         sources, table = _with_table(sources)
-        out, lse = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                            store_lse=True)
+        out, lse, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
+                               store_lse=True)
         # the sources are held, not saved: the table points at them. (Under non-reentrant
         # activation checkpointing this keeps alive a source made and read inside one layer,
         # block mode's running sum after attention, that saving would let the layer recompute.)
@@ -371,40 +391,187 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key_norm_weight, null_source, gate, lse = ctx.saved_tensors
-        first = ctx.sources[0]
-        width, device = first.shape[-1], first.device
-        tokens = first.numel() // width
-        launch = _kernel_args("site", width, ctx.num_heads)
-        has_null, has_gate = null_source is not None, gate is not None
-        params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
-        programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
-                                  * len(ctx.sources), 4 * width * len(params), device)
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
-        total = _empty((tokens, ctx.num_heads), dtype=torch.float32, device=device)
-        gq = _empty((width + 1,), dtype=torch.float32, device=device)
-        sums_end = len(params) * programs * width
-        partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
-        kernels.route_site_bwd_kernel[(programs,)](
-            ctx.table, first, null_source if has_null else query, query, key_norm_weight,
-            gate if has_gate else query, lse, grad_out, total, gq, partials, len(ctx.sources), tokens, ctx.eps,
-            HAS_NULL=has_null, HAS_GATE=has_gate, **launch,
-        )
-        record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, ctx.eps,
-                            _addresses((grad_out, lse, total, gq)))
+        grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
+                                          null_source, gate, lse, grad_out)
         for mark in ctx.marks:
             mark.records.append(record)
+        dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
+        return None, None, None, None, *grads, dresidual, None
 
-        # one deterministic reduction of the per-program partials, and few small ops after it:
-        # each costs the host more than the GPU
-        sums = partials[:sums_end].view(len(params), programs, width).sum(1)
-        if len({p.dtype for p in params}) == 1:
-            grads = sums.to(query.dtype).unbind(0)
-        else:
-            grads = [row.to(p.dtype) for row, p in zip(sums, params)]
-        dnull = grads[2] if has_null else None
-        dgate = partials[sums_end:].sum(0, keepdim=True).to(gate.dtype) if has_gate else None
-        dresidual = grad_out.to(ctx.residual_dtype) if has_gate and ctx.needs_input_grad[8] else None
-        return None, None, None, None, grads[0], grads[1], dnull, dgate, dresidual, None
+
+class SecondRead(NamedTuple):
+    """The second read of a split pair, as its backward leaves it for the pair's site kernel."""
+
+    task: int
+    dout: torch.Tensor
+    lse: torch.Tensor
+    total: torch.Tensor
+
+
+def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
+                   second=None):
+    """The site kernel of one read, and given `second` = (query, key-norm weight, SecondRead,
+    sources, table) of a split pair's second read, of that read too (whose sources start with
+    this read's). Returns this read's parameter gradients (query, key-norm weight, null source,
+    gate; None where absent), its record, and the second read's two (None without one)."""
+    num_sources = len(sources)
+    q2, g2, later = second[:3] if second is not None else (query, key_norm_weight, None)
+    if second is not None:
+        sources, table = second[3:]
+    first = sources[0]
+    width, device = first.shape[-1], first.device
+    tokens = first.numel() // width
+    launch = _kernel_args("site", width, num_heads)
+    has_null, has_gate = null_source is not None, gate is not None
+    params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
+    rows = len(params) + 2 * (second is not None)
+    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
+                              * len(sources), 4 * width * rows, device)
+    total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
+    gq = _empty((width + 1,), dtype=torch.float32, device=device)
+    sums_end = rows * programs * width
+    partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
+    kernels.route_site_bwd_kernel[(programs,)](
+        table, first, null_source if has_null else query, query, key_norm_weight,
+        gate if has_gate else query, lse, grad_out, total, gq, partials,
+        q2, g2, *((later.lse, later.dout, later.total) if second is not None else (lse, grad_out, total)),
+        num_sources, len(sources), tokens, eps,
+        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, **launch,
+    )
+    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, eps,
+                        _addresses((grad_out, lse, total, gq)))
+
+    # one deterministic reduction of the per-program partials, and few small ops after it:
+    # each costs the host more than the GPU
+    sums = partials[:sums_end].view(rows, programs, width).sum(1)
+    params += (q2, g2) if second is not None else ()
+    if len({p.dtype for p in params}) == 1:
+        grads = list(sums.to(query.dtype).unbind(0))
+    else:
+        grads = [row.to(p.dtype) for row, p in zip(sums, params)]
+    second_grads = (grads.pop(), grads.pop())[::-1] if second is not None else None
+    dnull = grads[2] if has_null else None
+    dgate = partials[sums_end:].sum(0, keepdim=True).to(gate.dtype) if has_gate else None
+    return (grads[0], grads[1], dnull, dgate), record, second_grads
+
+
+def _record_totals(grad_out, out, query, key_norm_weight, num_heads):
+    """S and g*q of a read from its output (route_total_kernel): what the source kernel needs."""
+    width = out.shape[-1]
+    tokens = out.numel() // width
+    launch = _kernel_args("site", width, num_heads)
+    total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
+    gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
+    kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
+        grad_out, out, query, key_norm_weight, total, gq, tokens, **launch
+    )
+    return total, gq
+
+
+class _Pair:
+    """What the two reads of a split pair share: the second read's sources and table, set by its
+    forward, and its backward's record, which the first read's backward (always after it) takes."""
+
+    __slots__ = ("sources", "table", "second")
+
+    def __init__(self):
+        self.sources = self.table = self.second = None
+
+
+class ReadPrefix:
+    """A read begun over leading sources (`fused_route_and_start`): `fused_route(..., prefix=)`
+    ends it, once, given sources that start with those and the query it was begun with."""
+
+    def __init__(self, sources, marked, query, key_norm_weight, state: SoftmaxState, pair: _Pair | None):
+        self.sources, self.marked, self.query, self.key_norm_weight = sources, marked, query, key_norm_weight
+        self.state, self.pair, self.ended = state, pair, False
+
+    def check(self, sources, query, key_norm_weight, null_source, gate) -> None:
+        if self.ended:
+            raise ValueError("this prefix already ended a read: a begun read ends once")
+        k = len(self.sources)
+        if len(sources) <= k or any(a is not b for a, b in zip(sources, self.sources)):
+            raise ValueError(f"a begun read ends with the {k} sources it began with, then at least one more; "
+                             f"got {len(sources)} sources that do not start with those")
+        if query is not self.query or key_norm_weight is not self.key_norm_weight:
+            raise ValueError("a begun read ends with the query and key-norm weight it was begun with "
+                             "(route_and_start's next_query, next_key_norm_weight)")
+        if null_source is not None or gate is not None:
+            raise ValueError("split reads are ungated and have no null source (full mode's reads)")
+
+
+class FusedRoutePair(torch.autograd.Function):
+    """A read that also begins the next one over the same sources (the pair's second read, ended
+    by FusedRouteEnd): one pass of the forward and one of the site backward serve both. The
+    second read's query and key-norm weight are inputs here, and get their gradients here, when
+    this backward's pass over the sources serves both reads. The state it returns is the second
+    read's input, so autograd runs that read's backward first."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, sources, marks, pair, query, key_norm_weight, next_query, next_key_norm_weight,
+                newest):
+        sources, table = _with_table(sources)
+        out, lse, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
+                                   store_lse=True, second=(next_query, next_key_norm_weight))
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(state.stat)
+        return out, state.acc, state.stat
+
+    @staticmethod
+    def backward(ctx, grad_out, _acc, _stat):
+        query, key_norm_weight, next_query, next_key_norm_weight, lse = ctx.saved_tensors
+        later, pair = ctx.pair.second, ctx.pair
+        pair.second = None
+        if later is not None and later.task != torch._C._current_graph_task_id():
+            later = None  # left by a pass that stopped short
+        if grad_out is None:
+            grad_out = torch.zeros_like(ctx.sources[0])
+        (grad_out,) = _aligned((grad_out,))
+        second = (next_query, next_key_norm_weight, later, pair.sources, pair.table) if later is not None else None
+        grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
+                                                     key_norm_weight, None, None, lse, grad_out, second)
+        for mark in ctx.marks:
+            mark.records.append(record)
+        return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
+
+
+class FusedRouteEnd(torch.autograd.Function):
+    """The second read of a split pair: folds the sources it adds into the begun state. Its
+    backward leaves its record with every source it read (S from its output, which is the mix)
+    and hands the same to the pair's first read, whose site kernel computes its parameters'
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, sources, marks, prefix, acc, query, key_norm_weight, newest):
+        sources, table = _with_table(sources)
+        begun = len(prefix.sources)
+        out, lse, _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads,
+                               eps, store_lse=True, init=SoftmaxState(acc, prefix.state.stat))
+        if prefix.pair is not None:
+            prefix.pair.sources, prefix.pair.table = sources, table
+        ctx.num_heads, ctx.eps, ctx.marks, ctx.pair = num_heads, eps, marks, prefix.pair
+        ctx.save_for_backward(query, key_norm_weight, lse, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key_norm_weight, lse, out = ctx.saved_tensors
+        (grad_out,) = _aligned((grad_out,))
+        total, gq = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads)
+        task = torch._C._current_graph_task_id()
+        record = ReadRecord(task, grad_out, lse, total, gq, ctx.eps, _addresses((grad_out, lse, total, gq)))
+        for mark in ctx.marks:
+            mark.records.append(record)
+        if ctx.pair is not None:
+            ctx.pair.second = SecondRead(task, grad_out, lse, total)
+        return (None,) * 9
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
@@ -417,23 +584,69 @@ def fused_route(
     null_source: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    prefix: ReadPrefix | None = None,
 ) -> torch.Tensor:
     """`route_reference` computed by the Triton kernels (same arguments, same result).
 
     Sources marked with `track` where they are made, each after the one made before it, get
     their gradient computed once, from all their reads; others are marked here, per call
-    (correct, but one source kernel per read)."""
+    (correct, but one source kernel per read). `prefix` ends a read that
+    `fused_route_and_start` began over the leading sources."""
     check_gated(gate, residual)
     sources = tuple(sources)
+    if prefix is not None:
+        prefix.check(sources, query, key_norm_weight, null_source, gate)
+        prefix.ended = True
+        sources = (*prefix.marked, *sources[len(prefix.sources):])
+        if _needs_grad(query, key_norm_weight, prefix.state.acc, *sources):
+            if prefix.pair is None:
+                raise ValueError("this read was begun without autograd recording (under no_grad) and cannot end "
+                                 "with it: begin and end a split read under the same grad mode")
+            sources, marks, newest = _on_one_chain(sources)
+            return FusedRouteEnd.apply(num_heads, eps, sources, marks, prefix, prefix.state.acc, query,
+                                       key_norm_weight, newest)
+        sources, table = _with_table(sources)
+        begun = len(prefix.sources)
+        return _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads, eps,
+                        store_lse=False, init=prefix.state)[0]
     if len(sources) + (null_source is not None) == 1:  # nothing to mix
         return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
     if residual is not None:
         residual = residual.contiguous()
-    inputs = (query, key_norm_weight, null_source, gate, residual, *sources)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    if _needs_grad(query, key_norm_weight, null_source, gate, residual, *sources):
         sources, marks, newest = _on_one_chain(sources)
         return FusedRoute.apply(num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual,
                                 newest)
     sources, table = _with_table(sources)
     return _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
                     store_lse=False)[0]
+
+
+@torch.compiler.disable
+def fused_route_and_start(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    next_query: torch.Tensor,
+    next_key_norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, ReadPrefix | None]:
+    """The read `fused_route(sources, query, key_norm_weight, ...)`, and the next read
+    (`next_query`, `next_key_norm_weight`) begun over the same sources in the same pass: a
+    `ReadPrefix` that `fused_route(more_sources, next_query, ..., prefix=)` ends. The site backward
+    of both reads is one pass too. (None instead of a prefix when there is one source: nothing to
+    mix, so the next read just runs.)"""
+    sources = tuple(sources)
+    if len(sources) == 1:
+        return sources[0], None
+    if _needs_grad(query, key_norm_weight, next_query, next_key_norm_weight, *sources):
+        marked, marks, newest = _on_one_chain(sources)
+        pair = _Pair()
+        out, acc, stat = FusedRoutePair.apply(num_heads, eps, marked, marks, pair, query, key_norm_weight, next_query,
+                                              next_key_norm_weight, newest)
+        return out, ReadPrefix(sources, marked, next_query, next_key_norm_weight, SoftmaxState(acc, stat), pair)
+    aligned, table = _with_table(sources)
+    out, _, state = _forward(aligned, table, query, key_norm_weight, None, None, None, num_heads, eps,
+                             store_lse=False, second=(next_query, next_key_norm_weight))
+    return out, ReadPrefix(sources, sources, next_query, next_key_norm_weight, state, None)

@@ -23,6 +23,11 @@ The backward is split the way autograd visits the model, so that each byte is re
   - `route_source_bwd_kernel` runs once per source, when every read of it has run its
     backward: one pass over the output gradients of those reads gives the source's whole
     gradient, summed in fp32 and written once.
+Split reads (full mode's attention and MLP reads of one layer, the second taking the first's
+sources and one more) share their passes: `route_fwd_kernel` begins the second read while it
+computes the first (HAS_SECOND) and ends it later from that state (HAS_INIT), and one
+`route_site_bwd_kernel` pass computes both reads' parameter gradients (HAS_SECOND), the second's
+S coming from its output (`route_total_kernel`, run when its output gradient arrives).
 Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
 with deterministic reductions.
 """
@@ -106,10 +111,9 @@ def _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D: tl.constexpr):
-    """Fold one source into the running (max, sum, mix) of the online softmax."""
-    rstd, dots = _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D)
-    logit = dots * rstd[:, None]
+def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
+    """Fold one source (`rstd` its inverse RMS) into the running (max, sum, mix) of an online softmax."""
+    logit = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * rstd[:, None]
     m_new = tl.maximum(m, logit)
     alpha = tl.exp(m - m_new)
     p = tl.exp(logit - m_new)
@@ -120,36 +124,63 @@ def _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D: tl.con
 @triton.jit
 def route_fwd_kernel(
     table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
+    q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr,
     num_sources, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
-    per-head log-sum-exp of the logits (all the backward needs)."""
+    per-head log-sum-exp of the logits (all the backward needs).
+
+    Split reads (full mode, where a layer's MLP read takes every source of its attention read
+    and one more): with HAS_SECOND the same pass also begins a second read of these sources
+    (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
+    (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
+    with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     row_offs = tok[:, None, None].to(tl.int64) * D
+    in_range = (tok < T)[:, None, None]
+    stat_offs = tok[:, None] * H + head[None, :]
+    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     g_lo, g_hi = _load_vector(g_ptr, *cols)
     q_lo, q_hi = _load_vector(q_ptr, *cols)
     gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
 
-    m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-    acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-    acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+    if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
+        m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
+        l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
+        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
+    else:
+        m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+        acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+    if HAS_SECOND:
+        g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
+        q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
+        gq2_lo, gq2_hi = g2_lo * q2_lo, g2_hi * q2_hi
+        m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+        acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
     next_lo, next_hi = _load_source_rows(table, 0, num_sources, src0_ptr, row_offs, tok, T, *cols)
     if HAS_NULL:  # the null source: one vector shared by every token
         null_lo, null_hi = _load_vector(null_ptr, *cols)
         null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
         null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
-        m, l, acc_lo, acc_hi = _softmax_step(null_lo, null_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D)
+        m, l, acc_lo, acc_hi = _softmax_step(null_lo, null_hi, _rstd(null_lo, null_hi, eps, D), gq_lo, gq_hi,
+                                             m, l, acc_lo, acc_hi)
     for n in range(0, num_sources):
         x_lo, x_hi = next_lo, next_hi
         next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
-        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, gq_lo, gq_hi, eps, m, l, acc_lo, acc_hi, D)
-    in_range = (tok < T)[:, None, None]
+        rstd = _rstd(x_lo, x_hi, eps, D)
+        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
+        if HAS_SECOND:
+            m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     inv = 1.0 / l[:, :, None]
     out_lo, out_hi = acc_lo * inv, acc_hi * inv
     if HAS_GATE:
@@ -158,8 +189,11 @@ def route_fwd_kernel(
         out_lo, out_hi = res_lo + gate * out_lo, res_hi + gate * out_hi
     _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
     if STORE_LSE:
-        tl.store(lse_ptr + tok[:, None] * H + head[None, :], m + tl.log(l),
-                 mask=(tok < T)[:, None] & (head < H)[None, :])
+        tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
+    if HAS_SECOND:
+        _store_rows(prefix_acc_ptr, row_offs, in_range, acc2_lo, acc2_hi, *cols)
+        tl.store(prefix_stat_ptr + stat_offs, m2, mask=stat_mask)
+        tl.store(prefix_stat_ptr + T * H + stat_offs, l2, mask=stat_mask)
 
 
 @triton.jit
@@ -173,8 +207,9 @@ def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.cons
 def route_site_bwd_kernel(
     table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
     total_ptr, gq_ptr, partial_ptr,
-    num_sources, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr,
+    num_sources, num_second, T, eps,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -186,7 +221,12 @@ def route_site_bwd_kernel(
     One pass: A = sum_n w (P - S) rstd x is gathered as sum_n w P rstd x - S * sum_n w rstd x,
     since S is only known at the end. With a gate, `dout_ptr` is the gradient of
     residual + gate * mix: every term is computed for the mix and scaled by the gate once, and
-    the gate's gradient is sum_t sum_h S_h = sum_t <dout, mix>."""
+    the gate's gradient is sum_t sum_h S_h = sum_t <dout, mix>.
+
+    With HAS_SECOND the pass also serves the second read of a split pair (route_fwd_kernel),
+    whose sources are the table's first `num_second` (this read's `num_sources` and more): its
+    S (`total2`) is known already, from its output (route_total_kernel), so A2 = sum_n w (P - S)
+    rstd x is summed directly; its query's and key-norm weight's partials follow this read's."""
     pid = tl.program_id(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -210,27 +250,40 @@ def route_site_bwd_kernel(
         null_lo, null_hi = _load_vector(null_ptr, *cols)
         null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
         null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
+    num_read = num_sources
+    if HAS_SECOND:
+        num_read = tl.maximum(num_sources, num_second)
+        q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
+        g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
+        gq2_lo, gq2_hi = g2_lo * q2_lo, g2_hi * q2_hi
+        dkey2_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
+        dkey2_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
 
     for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_offs = tok[:, None, None].to(tl.int64) * D
         in_range = (tok < T)[:, None, None]
-        next_lo, next_hi = _load_source_rows(table, 0, num_sources, src0_ptr, row_offs, tok, T, *cols)
+        next_lo, next_hi = _load_source_rows(table, 0, num_read, src0_ptr, row_offs, tok, T, *cols)
         dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
         stat_mask = (tok < T)[:, None] & (head < H)[None, :]
         lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
+        if HAS_SECOND:
+            dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols)
+            lse2 = tl.load(lse2_ptr + stat_offs, mask=stat_mask, other=float("inf"))
+            total2 = tl.load(total2_ptr + stat_offs, mask=stat_mask, other=0.0)
 
         total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w P rstd x
         wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
         w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        for n in range(0, num_sources):
+        for n in range(0, num_read):
             x_lo, x_hi = next_lo, next_hi
-            next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
+            next_lo, next_hi = _load_source_rows(table, n + 1, num_read, src0_ptr, row_offs, tok, T, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
+            w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
             total += w * p
             wp = (w_rstd * p)[:, :, None]
@@ -238,6 +291,13 @@ def route_site_bwd_kernel(
             wp_x_hi += wp * x_hi
             w_x_lo += w_rstd[:, :, None] * x_lo
             w_x_hi += w_rstd[:, :, None] * x_hi
+            if HAS_SECOND:
+                dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
+                w2 = tl.exp(dots2 * rstd[:, None] - lse2)
+                w2 = tl.where(n < num_second, w2, 0.0)
+                dlogit2_rstd = (w2 * (_head_dots(dout2_lo, dout2_hi, x_lo, x_hi) - total2) * rstd[:, None])[:, :, None]
+                dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
+                dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
         if HAS_NULL:
             rstd, dots, w, p = _read_terms(null_lo, null_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
             total += w * p
@@ -265,8 +325,40 @@ def route_site_bwd_kernel(
     if HAS_NULL:
         tl.store(partial_ptr + 2 * row + pid * D + col_lo, scale * dnull_lo, mask=mask_lo)
         tl.store(partial_ptr + 2 * row + pid * D + col_hi, scale * dnull_hi, mask=mask_hi)
+    if HAS_SECOND:
+        second = (2 + HAS_NULL) * row + pid * D
+        tl.store(partial_ptr + second + col_lo, dkey2_lo * g2_lo, mask=mask_lo)
+        tl.store(partial_ptr + second + col_hi, dkey2_hi * g2_hi, mask=mask_hi)
+        tl.store(partial_ptr + second + row + col_lo, dkey2_lo * q2_lo, mask=mask_lo)
+        tl.store(partial_ptr + second + row + col_hi, dkey2_hi * q2_hi, mask=mask_hi)
     if HAS_GATE:
-        tl.store(partial_ptr + (2 + HAS_NULL) * row + pid, tl.sum(tl.sum(dgate, 1), 0))
+        tl.store(partial_ptr + (2 + HAS_NULL + 2 * HAS_SECOND) * row + pid, tl.sum(tl.sum(dgate, 1), 0))
+
+
+@triton.jit
+def route_total_kernel(
+    dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, T,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The record of the second read of a split pair, which its backward leaves before the pair's
+    site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix) and g*q in fp32
+    followed by its scale, 1 (see route_site_bwd_kernel)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    row_offs = tok[:, None, None].to(tl.int64) * D
+    in_range = (tok < T)[:, None, None]
+    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
+    out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols)
+    tl.store(total_ptr + tok[:, None] * H + head[None, :], _head_dots(dout_lo, dout_hi, out_lo, out_hi),
+             mask=(tok < T)[:, None] & (head < H)[None, :])
+    if tl.program_id(0) == 0:
+        q_lo, q_hi = _load_vector(q_ptr, *cols)
+        g_lo, g_hi = _load_vector(g_ptr, *cols)
+        tl.store(gq_ptr + col_lo, g_lo * q_lo, mask=mask_lo)
+        tl.store(gq_ptr + col_hi, g_hi * q_hi, mask=mask_hi)
+        tl.store(gq_ptr + D, 1.0)
 
 
 @triton.jit
