@@ -352,6 +352,37 @@ def test_a_begun_read_ends_once_with_its_sources_and_query():
         fused_route(sources, q2.requires_grad_(), g2, 4, EPS, prefix=prefix)
 
 
+@pytest.mark.parametrize("own_read", [True, False], ids=["partner-has-its-own-read", "partner-has-no-other-read"])
+def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads=4):
+    """Sources made and read in the model's order: the newest source's launch also sums, for the
+    source made before it, the terms of the reads they share, and that source's launch adds the
+    rest (its other reads, its other uses)."""
+    monkeypatch.setattr(fused, "PARTNER_MIN_READS", 3)
+    _, _, source_kernel, _ = spies
+    sources = routing_inputs(3, 64, 11, batch=2)[0]
+    params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(4)]
+
+    def model(route_fn, sources, params, mark):
+        x0 = mark(sources[0], None)
+        x1 = mark(sources[1], x0)
+        own = route_fn([x0, x1], *params[0], heads, EPS) if own_read else 0
+        x2 = mark(sources[2], x1)
+        r1, r2, r3 = (route_fn([x0, x1, x2], *p, heads, EPS) for p in params[1:])
+        return own * 2 + r1 + r2 * r3 + x1  # x1 is also used outside the reads
+
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    twins = [s.detach().double().requires_grad_() for s in sources]
+    fused_out = model(fused_route, leaves, params, lambda s, after: track(s, after=after))
+    reference_out = model(route_reference, twins, [[fp64(t) for t in p] for p in params], lambda s, after: s)
+    grad_out = torch.randn_like(reference_out)
+    fused_out.backward(grad_out.float())
+    reference_out.backward(grad_out)
+    for i, (leaf, twin) in enumerate(zip(leaves, twins, strict=True)):
+        assert torch.isfinite(leaf.grad).all() and rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
+    assert source_kernel.launches == 3
+    assert (source_kernel.count("HAS_PARTNER"), source_kernel.count("HAS_INIT")) == (1, 1)
+
+
 def test_reads_with_outputs_of_two_dtypes():
     """A 16-bit source read by a site whose fp32 null source makes its output fp32 (fp32 routing
     parameters over 16-bit activations) and by a site without one: both reads reach the source."""
@@ -466,11 +497,16 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
 # sublayer output are sources; layers 1-3 pair their attention and MLP reads. block: the same
 # reads, the embedding and the running sum after every sublayer. delta: no final read; the two
 # block deltas.
-MODEL_READS = [("full", 8, 9, 3), ("block", 8, 9, 0), ("delta", 7, 2, 0)]
+# Source pairs (a source's launch also sums the terms of the source made before it, from the
+# reads they share when those are all that source has had so far, fused.PARTNER_MIN_READS or
+# more): full mode, the attention outputs of layers 2, 1 and 0 with the MLP output of the layer
+# before (the embedding for layer 0), sharing 4, 6 and 8 reads; in delta mode the two deltas
+# share 3 reads, too few.
+MODEL_READS = [("full", 8, 9, 3, 3), ("block", 8, 9, 0, 0), ("delta", 7, 2, 0, 0)]
 
 
-@pytest.mark.parametrize("mode, reads, sources, pairs", MODEL_READS)
-def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs):
+@pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs", MODEL_READS)
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs, source_pairs):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source, totals = spies
@@ -481,6 +517,7 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     # a pair: one forward pass begins the second read, one more ends it; one site pass serves both
     assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs)
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
+    assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
 
 
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
@@ -510,9 +547,12 @@ def test_kernels_compile_for_sm90():
                      lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
                      partial_ptr="*fp32", q2_ptr="*bf16", g2_ptr="*bf16", prefix_acc_ptr="*fp32",
                      prefix_stat_ptr="*fp32", lse2_ptr="*fp32", dout2_ptr="*bf16", total2_ptr="*fp32",
-                     num_sources="i32", num_second="i32", num_readers="i32", T="i32", eps="fp32")
-        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False)
-        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True)
+                     partner_ptr="*bf16", partner_acc_ptr="*fp32", partner_norm_ptr="*fp32", init_acc_ptr="*fp32",
+                     init_norm_ptr="*fp32", num_sources="i32", num_second="i32", num_readers="i32", T="i32", eps="fp32")
+        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False,
+                     HAS_PARTNER=False)
+        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True,
+                     HAS_PARTNER=True)
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel)

@@ -270,20 +270,25 @@ class DepthSource(torch.autograd.Function):
     def forward(ctx, source, previous, chain, position):
         ctx.set_materialize_grads(False)  # reads return no gradient for it: no zeros to add
         ctx.records, ctx.chain, ctx.position = [], chain, position
-        ctx.save_for_backward(source)
+        ctx.previous = previous.grad_fn if previous is not None else None  # the mark made before it
+        ctx.partial = None  # a Partial its successor's backward left (see _partner)
+        # held, not saved, as the reads of it hold it anyway: the next mark's backward may read it
+        # too (_partner), and activation checkpointing lets a saved tensor be unpacked only once
+        ctx.source = source
         return source.view_as(source)
 
     @staticmethod
     def backward(ctx, grad_in):
-        # records of this backward pass only: a pass that stopped short (autograd.grad on a
-        # subset of inputs) may have left some that no later pass must count
+        # records and partial sums of this backward pass only: a pass that stopped short
+        # (autograd.grad on a subset of inputs) may have left some that no later pass must count
         task = torch._C._current_graph_task_id()
         records = [r for r in ctx.records if r.task == task]
-        ctx.records.clear()
-        if not records:
+        partial = ctx.partial if ctx.partial is not None and ctx.partial.task == task else None
+        ctx.records, ctx.partial = [], None
+        if not records and partial is None:
             return grad_in, None, None, None
-        (source,) = ctx.saved_tensors
-        return _source_grad(source.contiguous(), records, grad_in), None, None, None
+        grad = _source_grad(ctx.source.contiguous(), records, grad_in, partial, _partner(ctx, records, task))
+        return grad, None, None, None
 
 
 _DEPTH_NODE = DepthSource._backward_cls
@@ -344,28 +349,73 @@ class ReadRecord(NamedTuple):
         return self._replace(dout=dout, addresses=(dout.data_ptr(), *self.addresses[1:]))
 
 
-def _source_grad(source, records: list[ReadRecord], grad_in):
-    first = records[0]
+class Partial(NamedTuple):
+    """A source's gradient terms from some of its reads, summed by its successor's launch."""
+
+    task: int
+    acc: torch.Tensor  # fp32 [T, d]: the sum of w dout + dlogit rstd gq
+    norm: torch.Tensor  # fp32 [T]: the sum of sum_h dlogit dots
+    eps: float
+    heads: int
+
+
+# a partner's terms cost 8 bytes per element to write and read back; each read's output gradient
+# read once for both sources instead of once each saves 2
+PARTNER_MIN_READS = 4
+
+
+def _partner(ctx, records: list[ReadRecord], task: int):
+    """The mark made just before this one, when its reads so far are exactly this one's (full
+    mode's attention output, when the MLP output of its layer is done: only the MLP read is still
+    to come) and there are enough of them to pay: one launch then sums both sources' terms."""
+    node = ctx.previous
+    if node is None or len(records) < PARTNER_MIN_READS or node.partial is not None:
+        return None
+    theirs = {id(r) for r in node.records if r.task == task}
+    return node if theirs == {id(r) for r in records} else None
+
+
+def _source_grad(source, records: list[ReadRecord], grad_in, partial: Partial | None, partner):
+    """The source's gradient from its reads' records, its `partial` sums and `grad_in`; with a
+    `partner` (see _partner), that mark's terms from the same records are left with it."""
+    task, eps, heads = (partial.task, partial.eps, partial.heads) if partial is not None else (
+        records[0].task, records[0].eps, records[0].lse.shape[-1])
     addresses, kinds = [], set()
     for r in records:
         addresses += r.addresses
         kinds.add((r.eps, r.dout.dtype))
-    if len(kinds) > 1:
-        if len({eps for eps, _ in kinds}) > 1:
-            raise ValueError("reads of one source must share one eps (the model's rms_norm_eps); got "
-                             f"{sorted({eps for eps, _ in kinds})}")
-        records = [r.with_dout(r.dout.to(first.dout.dtype)) for r in records]  # outputs of mixed dtypes
+    every_eps = {e for e, _ in kinds} | {eps}
+    if len(every_eps) > 1:
+        raise ValueError(f"reads of one source must share one eps (the model's rms_norm_eps); got {sorted(every_eps)}")
+    if len(kinds) > 1:  # outputs of mixed dtypes
+        records = [r.with_dout(r.dout.to(records[0].dout.dtype)) for r in records]
         addresses = list(itertools.chain.from_iterable(r.addresses for r in records))
     width = source.shape[-1]
     tokens = source.numel() // width
-    launch = _kernel_args("source", width, first.lse.shape[-1])
+    launch = _kernel_args("source", width, heads)
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
-    readers = _upload(addresses, source.device)
+    # pointer types for the table's loads, and a stand-in for pointers a launch does not use
+    dout0, stat0 = (records[0].dout, records[0].lse) if records else (source, partial.acc)
+    readers = _upload(addresses or [stat0.data_ptr()] * 4, source.device)  # no reads left: a row it never reads
+    other = left = None
+    if partner is not None:
+        other = partner.source if partner.source.shape == source.shape else None
+    if other is not None:
+        other = other.contiguous()
+        left = Partial(task, _empty((tokens, width), dtype=torch.float32, device=source.device),
+                       _empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        source, readers, first.dout, first.lse, grad_in if grad_in is not None else grad, grad,
-        len(records), tokens, first.eps, HAS_GRAD_IN=grad_in is not None, **launch,
+        source, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
+        *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
+        *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
+        len(records), tokens, eps,
+        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=other is not None, HAS_INIT=partial is not None, **launch,
     )
+    if other is not None:
+        done = {id(r) for r in records}
+        partner.records = [r for r in partner.records if id(r) not in done]
+        partner.partial = left
     return grad
 
 

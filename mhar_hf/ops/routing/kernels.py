@@ -27,7 +27,9 @@ Split reads (full mode's attention and MLP reads of one layer, the second taking
 sources and one more) share their passes: `route_fwd_kernel` begins the second read while it
 computes the first (HAS_SECOND) and ends it later from that state (HAS_INIT), and one
 `route_site_bwd_kernel` pass computes both reads' parameter gradients (HAS_SECOND), the second's
-S coming from its output (`route_total_kernel`, run when its output gradient arrives).
+S coming from its output (`route_total_kernel`, run when its output gradient arrives). Source
+pairs share the source backward's pass: a source's launch also sums the terms of the source made
+before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER / HAS_INIT).
 Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
 with deterministic reductions.
 """
@@ -44,10 +46,10 @@ def _load_tile(ptr, offs, mask):
 @triton.jit
 def _address(table, i, count, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
     """Entry (i, FIELD) of an address table of `count` rows of STRIDE entries, as a pointer of
-    like_ptr's type (row count-1 once i runs past the end). The caller keeps every such address
+    like_ptr's type (row count-1 once i runs past the end; row 0 when the table has none). The caller keeps every such address
     16-byte aligned, as Triton assumes of tensor arguments: said here, loads through it are
     16-byte vector loads instead of one load per element."""
-    entry = table + STRIDE * tl.minimum(i, count - 1) + FIELD
+    entry = table + STRIDE * tl.maximum(tl.minimum(i, count - 1), 0) + FIELD
     return tl.multiple_of(tl.load(entry).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
 
 
@@ -362,16 +364,36 @@ def route_total_kernel(
 
 
 @triton.jit
+def _source_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
+    """Add one read's terms to a source's running sums (route_source_bwd_kernel)."""
+    dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+    w = tl.exp(dots * rstd[:, None] - lse)
+    dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total) * scale
+    w = w * scale
+    w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
+    acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
+    acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
+    return acc_lo, acc_hi, norm_sum + tl.sum(dlogit * dots, 1)
+
+
+@triton.jit
 def route_source_bwd_kernel(
     src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
+    partner_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
     num_readers, T, eps,
-    HAS_GRAD_IN: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 4] address table: per
-    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D]) followed by its scale."""
+    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D]) followed by its scale.
+
+    Source pairs (the source made just before this one, read by these same reads and by others
+    not yet run: full mode's attention output beside the MLP output of its layer): with
+    HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
+    writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
+    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -382,9 +404,19 @@ def route_source_bwd_kernel(
 
     x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
     rstd = _rstd(x_lo, x_hi, eps, D)
-    acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum over reads of w dout + dlogit rstd gq
-    acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-    norm_sum = tl.zeros([BLOCK_T], tl.float32)  # sum over reads of sum_h dlogit dots
+    if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq, and of sum_h dlogit dots
+        acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols)
+        norm_sum = tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
+    else:
+        acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        norm_sum = tl.zeros([BLOCK_T], tl.float32)
+    if HAS_PARTNER:
+        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols)
+        y_rstd = _rstd(y_lo, y_hi, eps, D)
+        y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
     next_lo, next_hi = _load_source_rows(readers, 0, num_readers, dout0_ptr, row_offs, tok, T, *cols, 4, 0)
     for k in range(0, num_readers):
         dout_lo, dout_hi = next_lo, next_hi
@@ -395,14 +427,11 @@ def route_source_bwd_kernel(
         gq_ptr = _address(readers, k, num_readers, stat0_ptr, 4, 3)
         gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
         scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
-        dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
-        w = tl.exp(dots * rstd[:, None] - lse)
-        dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total) * scale
-        w = w * scale
-        w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
-        acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
-        acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
-        norm_sum += tl.sum(dlogit * dots, 1)
+        acc_lo, acc_hi, norm_sum = _source_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
+                                                 scale, acc_lo, acc_hi, norm_sum)
+        if HAS_PARTNER:
+            y_acc_lo, y_acc_hi, y_norm_sum = _source_terms(y_lo, y_hi, y_rstd, dout_lo, dout_hi, lse, total,
+                                                           gq_lo, gq_hi, scale, y_acc_lo, y_acc_hi, y_norm_sum)
     norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
     dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
@@ -410,3 +439,6 @@ def route_source_bwd_kernel(
         dx_lo += grad_lo
         dx_hi += grad_hi
     _store_rows(dsrc_ptr, row_offs, in_range, dx_lo, dx_hi, *cols)
+    if HAS_PARTNER:
+        _store_rows(partner_acc_ptr, row_offs, in_range, y_acc_lo, y_acc_hi, *cols)
+        tl.store(partner_norm_ptr + tok, y_norm_sum, mask=tok < T)
