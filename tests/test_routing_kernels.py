@@ -5,10 +5,12 @@ MHAR_TEST_GPU=1 on a CUDA machine the same tests run compiled, plus bf16/fp16 va
 """
 
 import copy
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -333,6 +335,22 @@ def test_split_reads_without_gradients_match_the_training_forward():
     assert all(torch.equal(a, b.detach()) for a, b in zip(inference, training, strict=True))
 
 
+def test_split_reads_leave_no_reference_cycle():
+    """The second read's new source is usually made from the first read's output (the attention
+    sublayer's): nothing the pair keeps may hold that source's autograd graph, or the whole
+    step's graph and activations would never be freed."""
+    sources = [s.requires_grad_() for s in routing_inputs(4, 64, 11)[0]]
+    (q1, g1), (q2, g2) = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
+    marked = chained(track)(sources[:3])
+    first, prefix = fused_route_and_start(marked, q1, g1, q2, g2, 4, EPS)
+    new = track(first * 2 + sources[3], after=marked[-1])
+    second = fused_route((*marked, new), q2, g2, 4, EPS, prefix=prefix)
+    probe = weakref.ref(new)
+    del marked, first, prefix, new, second
+    gc.collect()
+    assert probe() is None
+
+
 def test_a_begun_read_ends_once_with_its_sources_and_query():
     sources = routing_inputs(4, 64, 11)[0]
     (q1, g1), (q2, g2) = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
@@ -518,6 +536,28 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs)
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_a_dropped_step_frees_every_depth_source(mode):
+    """Nothing the fused reads keep (tables, split pairs, marks) may hold a step's autograd graph
+    in a reference cycle: once the loss is dropped, with or without its backward, every layer's
+    output is freed."""
+    from mhar_hf import MHARForCausalLM
+
+    model = MHARForCausalLM(tiny_config(residual_mode=mode, routing_implementation="fused")).to(DEVICE)
+    probes = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda module, args, out: probes.extend(
+            weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t)))
+    for backward in (False, True):
+        loss = model(torch.randint(0, 384, (1, 6), device=DEVICE)).logits.sum()
+        if backward:
+            loss.backward()
+        del loss
+        gc.collect()
+        assert probes and all(p() is None for p in probes)
+        probes.clear()
 
 
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):

@@ -601,7 +601,9 @@ class FusedRouteEnd(torch.autograd.Function):
         out, lse, _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads,
                                eps, store_lse=True, init=SoftmaxState(acc, prefix.state.stat))
         if prefix.pair is not None:
-            prefix.pair.sources, prefix.pair.table = sources, table
+            # detached: the new sources are usually made from the first read's output, so holding
+            # their marks would close a reference cycle through autograd nodes, which nothing frees
+            prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
         ctx.num_heads, ctx.eps, ctx.marks, ctx.pair = num_heads, eps, marks, prefix.pair
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
