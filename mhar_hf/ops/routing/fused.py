@@ -34,12 +34,12 @@ MAX_TILE = 16384  # padded elements per token row a program holds in registers
 ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached through a table
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
-# Launch shape per kernel: token rows per program, and padded tile elements per warp, from
-# benchmarks/sweep_launch.py runs (kernels' GPU time, H200, full H = 8). With split reads and
-# source pairs (6af7265, 1B) the forward is best at 1024 elements per warp (3.91 ms against 4.94
-# at 512) and the source kernel at 8 rows per program (19.8 ms against 22.9 at one row); the site
-# kernel stays at one row and 512 (earlier runs at 350M and 1B: all shapes within 15 %).
-LAUNCH = {"forward": (1, 1024), "site": (1, 512), "source": (8, 512)}
+# Launch shape per kernel: token rows per program, and padded tile elements per warp. Chosen on
+# the whole training step (1B full H = 8, fused+graph, H200, 26c67d1), which the kernels alone
+# mislead: there 8 source rows per program cut the source kernel from 22.9 to 19.8 ms, yet made
+# the step 6 % slower; 1024 elements per warp in the forward made it 1.5 % faster (0.648x the plain
+# model against 0.637x; at 350M and 100M no change). benchmarks/sweep_launch.py times the kernels.
+LAUNCH = {"forward": (1, 1024), "site": (1, 512), "source": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
