@@ -1,12 +1,14 @@
 """Launch shapes of the routing kernels, swept one kernel at a time on one training step's reads.
 
     python benchmarks/sweep_launch.py --presets 100M 350M
+    python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source
 
 For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
 per warp) choice of one kernel is timed with the other kernels at their current shape in
 `mhar_hf.ops.routing.fused.LAUNCH`: the forward kernel on the forward alone, the backward
-kernels on forward + backward. Prints milliseconds per choice, best first; the defaults in
-LAUNCH are set from such a run.
+kernels on forward + backward; with --on-step, the whole training step instead (`fused+graph`,
+as bench_train.py times it; slower, and what the defaults in LAUNCH are chosen on: a shape
+that speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import itertools
 
 import torch
 
-from bench_train import MICRO_BATCH, copy_bandwidth, time_routing
+from bench_train import MICRO_BATCH, build, compile_regions, copy_bandwidth, release, time_routing, time_training
 from mhar_hf import MHARConfig
 from mhar_hf.ops.routing import fused
 
@@ -34,9 +36,22 @@ def full_mode_sites(layers: int) -> list[tuple[int, str]]:
     return [(2, "whole"), *pairs, (2 * layers + 1, "whole")]
 
 
+def step_ms(preset: str) -> float:
+    """One full H = 8 training step with the whole step in a CUDA graph (bench_train's fused+graph)."""
+    batch, seq = MICRO_BATCH[preset]
+    model = build(preset, "full", 8, "fused")
+    compile_regions(model, whole_layers=False)
+    ms = time_training(model, batch, seq, warmup=3, steps=8, graph=True)["step_ms"]
+    del model
+    release()
+    return ms
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["100M", "350M"], choices=list(MICRO_BATCH))
+    parser.add_argument("--kinds", nargs="+", default=list(CHOICES), choices=list(CHOICES))
+    parser.add_argument("--on-step", action="store_true", help="time the whole training step per choice")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     defaults = dict(fused.LAUNCH)
@@ -44,11 +59,14 @@ def main():
         config = MHARConfig.from_preset(preset)
         batch, seq = MICRO_BATCH[preset]
         sites = full_mode_sites(config.num_hidden_layers)
-        for kind, choices in CHOICES.items():
+        for kind in args.kinds:
             timings = []
-            for choice in choices:
+            for choice in CHOICES[kind]:
                 fused.LAUNCH[kind] = choice
                 fused._kernel_args.cache_clear()
+                if args.on_step:
+                    timings.append((step_ms(preset), choice))
+                    continue
                 figures = time_routing(sites, False, batch * seq, config.hidden_size, 8, bandwidth)
                 timings.append((figures["fwd_ms" if kind == "forward" else "fwd_bwd_ms"], choice))
             fused.LAUNCH[kind] = defaults[kind]
