@@ -366,9 +366,10 @@ PARTNER_MIN_READS = 4
 
 
 def _partner(ctx, records: list[ReadRecord], task: int):
-    """The mark made just before this one, when its reads so far are exactly this one's (full
-    mode's attention output, when the MLP output of its layer is done: only the MLP read is still
-    to come) and there are enough of them to pay: one launch then sums both sources' terms."""
+    """The mark made just before this one, when its reads so far are exactly this one's and there
+    are enough of them to pay: one launch then sums both sources' terms. (In full mode an
+    attention output and the MLP output of the layer before it: every read of the latter but the
+    attention read, which comes next, also reads the former.)"""
     node = ctx.previous
     if node is None or len(records) < PARTNER_MIN_READS or node.partial is not None:
         return None

@@ -390,7 +390,7 @@ def route_source_bwd_kernel(
     read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D]) followed by its scale.
 
     Source pairs (the source made just before this one, read by these same reads and by others
-    not yet run: full mode's attention output beside the MLP output of its layer): with
+    not yet run: in full mode the MLP output of the layer before an attention output): with
     HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
     sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT)."""
