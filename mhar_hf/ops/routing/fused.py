@@ -371,7 +371,8 @@ def _partner(ctx, records: list[ReadRecord], task: int):
     attention output and the MLP output of the layer before it: every read of the latter but the
     attention read, which comes next, also reads the former.)"""
     node = ctx.previous
-    if node is None or len(records) < PARTNER_MIN_READS or node.partial is not None:
+    if (node is None or len(records) < PARTNER_MIN_READS or node.partial is not None
+            or node.source.shape != ctx.source.shape):
         return None
     theirs = {id(r) for r in node.records if r.task == task}
     return node if theirs == {id(r) for r in records} else None
@@ -402,9 +403,7 @@ def _source_grad(source, records: list[ReadRecord], grad_in, partial: Partial | 
     readers = _upload(addresses or [stat0.data_ptr()] * 4, source.device)  # no reads left: a row it never reads
     other = left = None
     if partner is not None:
-        other = partner.source if partner.source.shape == source.shape else None
-    if other is not None:
-        other = other.contiguous()
+        other = partner.source.contiguous()
         left = Partial(task, _empty((tokens, width), dtype=torch.float32, device=source.device),
                        _empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](

@@ -254,7 +254,7 @@ def route_site_bwd_kernel(
         null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
     num_read = num_sources
     if HAS_SECOND:
-        num_read = tl.maximum(num_sources, num_second)
+        num_read = num_second
         q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
         g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
         gq2_lo, gq2_hi = g2_lo * q2_lo, g2_hi * q2_hi
@@ -285,7 +285,8 @@ def route_site_bwd_kernel(
             x_lo, x_hi = next_lo, next_hi
             next_lo, next_hi = _load_source_rows(table, n + 1, num_read, src0_ptr, row_offs, tok, T, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
-            w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
+            if HAS_SECOND:
+                w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
             total += w * p
             wp = (w_rstd * p)[:, :, None]
@@ -296,7 +297,6 @@ def route_site_bwd_kernel(
             if HAS_SECOND:
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
                 w2 = tl.exp(dots2 * rstd[:, None] - lse2)
-                w2 = tl.where(n < num_second, w2, 0.0)
                 dlogit2_rstd = (w2 * (_head_dots(dout2_lo, dout2_hi, x_lo, x_hi) - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
