@@ -304,8 +304,8 @@ def run(args) -> dict:
                         kernel = measure_mhar(record, baselines[preset], args, bandwidth)
                         if kernel is not None:
                             report["kernels"].append(kernel)
-    report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp)
-                        for kind, (rows, per_warp) in LAUNCH.items()}
+    report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp, pipeline_stages=stages[0] if stages else None)
+                        for kind, (rows, per_warp, *stages) in LAUNCH.items()}
     report["elapsed_s"] = round(time.monotonic() - began)
     return report
 

@@ -4,7 +4,7 @@
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source
 
 For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
-per warp) choice of one kernel is timed with the other kernels at their current shape in
+per warp, pipeline stages) choice of one kernel is timed with the other kernels at their current shape in
 `mhar_hf.ops.routing.fused.LAUNCH`: the forward kernel on the forward alone, the backward
 kernels on forward + backward; with --on-step, the whole training step instead (`fused+graph`,
 as bench_train.py times it; slower, and what the defaults in LAUNCH are chosen on: a shape
@@ -22,10 +22,10 @@ from bench_train import MICRO_BATCH, build, compile_regions, copy_bandwidth, rel
 from mhar_hf import MHARConfig
 from mhar_hf.ops.routing import fused
 
-CHOICES = {
-    "forward": list(itertools.product((1, 2, 4), (256, 512, 1024))),
-    "site": list(itertools.product((1, 2, 4), (128, 256, 512))),
-    "source": list(itertools.product((1, 2, 4, 8), (128, 256, 512))),
+CHOICES = {  # (token rows per program, padded elements per warp, pipeline stages)
+    "forward": list(itertools.product((1, 2), (512, 1024, 2048), (2, 3))),
+    "site": list(itertools.product((1, 2), (256, 512, 1024), (2, 3))),
+    "source": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (2, 3))),
 }
 
 

@@ -597,7 +597,7 @@ def test_kernels_compile_for_sm90():
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel)
         for (width, heads, block_t, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
-            tile = dict(_tile(width, heads), BLOCK_T=block_t)
+            tile = dict(_tile(width, heads), BLOCK_T=block_t, STAGES=3)
             constexprs = {k: v for k, v in dict(flags, **tile).items() if k in kernel.arg_names}
             signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
             triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),

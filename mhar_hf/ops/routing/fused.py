@@ -34,12 +34,14 @@ MAX_TILE = 16384  # padded elements per token row a program holds in registers
 ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached through a table
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
-# Launch shape per kernel: token rows per program, and padded tile elements per warp. Chosen on
-# the whole training step (1B full H = 8, fused+graph, H200, 26c67d1), which the kernels alone
-# mislead: there 8 source rows per program cut the source kernel from 22.9 to 19.8 ms, yet made
-# the step 6 % slower; 1024 elements per warp in the forward made it 1.5 % faster (0.648x the plain
-# model against 0.637x; at 350M and 100M no change). benchmarks/sweep_launch.py times the kernels.
-LAUNCH = {"forward": (1, 1024), "site": (1, 512), "source": (1, 512)}
+# Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
+# its software-pipelined loop (kernels.py). Chosen on one training step's reads at every preset
+# (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md): pipelining the loops cut the 1B
+# reads' kernels from 22.3 to 15.6 ms, a source program of two token rows on two warps (1B) beats
+# one row on four (6.0 against 10.7 ms), the forward is best on one warp per row. Check a change on
+# the whole step too (`sweep_launch.py --on-step`): there, earlier, 8 source rows per program cut the
+# kernel from 22.9 to 19.8 ms yet made the step 6 % slower.
+LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (2, 2048, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -57,14 +59,18 @@ def _tile(width: int, num_heads: int) -> dict:
 
 
 def _padded_width(tile: dict) -> int:
-    return tile["H_PAD"] * (tile["DH_LO"] + tile["DH_HI"])
+    """Elements per token row a program holds: the high tile counts only when it holds columns."""
+    return tile["H_PAD"] * (tile["DH_LO"] + (tile["DH_HI"] if tile["DH"] > tile["DH_LO"] else 0))
 
 
 @functools.cache  # per call this is host time on the critical path; sweep_launch.py clears it
 def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
-    """The tile constants and launch shape (BLOCK_T, num_warps) of one kernel for this width and H."""
+    """The tile constants and launch shape (BLOCK_T, num_warps, and STAGES for a kernel with a
+    loop) of one kernel for this width and H."""
     tile = _tile(width, num_heads)
-    rows, per_warp = LAUNCH[kind]
+    rows, per_warp, *stages = LAUNCH[kind]
+    if stages:
+        tile = dict(tile, STAGES=stages[0])
     if _interpreted():
         return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4)
     warps = triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp))
@@ -511,7 +517,7 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads):
     """S and g*q of a read from its output (route_total_kernel): what the source kernel needs."""
     width = out.shape[-1]
     tokens = out.numel() // width
-    launch = _kernel_args("site", width, num_heads)
+    launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
     gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](

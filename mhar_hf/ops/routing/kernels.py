@@ -6,8 +6,10 @@ d/H - DH_LO (`[BLOCK_T, H_PAD, DH_HI]`, masked past them). Tile sizes must be po
 tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two hold it
 exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d works.
 Tensors that vary per source or per reader are reached through int64 tables of their
-addresses, so the caller never stacks them; the next tile is loaded before the current one is
-used, to keep two reads in flight. All statistics, logits, softmax and the mix run in fp32:
+addresses, so the caller never stacks them. Each loop over sources or reads is software-pipelined
+(`tl.range(num_stages=STAGES)`: the loads of the next iterations go to shared memory while the
+current one computes), which keeps several reads in flight without holding them in registers.
+All statistics, logits, softmax and the mix run in fp32:
 every load is upcast at once (bf16 arithmetic is wrong in the Triton interpreter, and `tl.exp`
 rejects bf16).
 
@@ -44,13 +46,11 @@ def _load_tile(ptr, offs, mask):
 
 
 @triton.jit
-def _address(table, i, count, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
-    """Entry (i, FIELD) of an address table of `count` rows of STRIDE entries, as a pointer of
-    like_ptr's type (row count-1 once i runs past the end; row 0 when the table has none). The caller keeps every such address
-    16-byte aligned, as Triton assumes of tensor arguments: said here, loads through it are
-    16-byte vector loads instead of one load per element."""
-    entry = table + STRIDE * tl.maximum(tl.minimum(i, count - 1), 0) + FIELD
-    return tl.multiple_of(tl.load(entry).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+def _address(table, i, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
+    """Entry (i, FIELD) of an address table of rows of STRIDE entries, as a pointer of like_ptr's
+    type. The caller keeps every such address 16-byte aligned, as Triton assumes of tensor
+    arguments: said here, loads through it are 16-byte vector loads instead of one per element."""
+    return tl.multiple_of(tl.load(table + STRIDE * i + FIELD).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
 
 
 @triton.jit
@@ -79,12 +79,10 @@ def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
-def _load_source_rows(table, i, count, like_ptr, row_offs, tok, T, col_lo, mask_lo, col_hi, mask_hi,
+def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
                       STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
-    """Token rows of the tensor at entry (i, FIELD) of an address table (zeros once i runs past it)."""
-    row_ok = (tok < T * (i < count))[:, None, None]
-    return _load_rows(_address(table, i, count, like_ptr, STRIDE, FIELD), row_offs, row_ok,
-                      col_lo, mask_lo, col_hi, mask_hi)
+    """Token rows of the tensor at entry (i, FIELD) of an address table."""
+    return _load_rows(_address(table, i, like_ptr, STRIDE, FIELD), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi)
 
 
 @triton.jit
@@ -131,7 +129,7 @@ def route_fwd_kernel(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
@@ -169,16 +167,14 @@ def route_fwd_kernel(
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-    next_lo, next_hi = _load_source_rows(table, 0, num_sources, src0_ptr, row_offs, tok, T, *cols)
     if HAS_NULL:  # the null source: one vector shared by every token
         null_lo, null_hi = _load_vector(null_ptr, *cols)
         null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
         null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
         m, l, acc_lo, acc_hi = _softmax_step(null_lo, null_hi, _rstd(null_lo, null_hi, eps, D), gq_lo, gq_hi,
                                              m, l, acc_lo, acc_hi)
-    for n in range(0, num_sources):
-        x_lo, x_hi = next_lo, next_hi
-        next_lo, next_hi = _load_source_rows(table, n + 1, num_sources, src0_ptr, row_offs, tok, T, *cols)
+    for n in tl.range(0, num_sources, num_stages=STAGES):
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
         rstd = _rstd(x_lo, x_hi, eps, D)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
@@ -213,7 +209,7 @@ def route_site_bwd_kernel(
     num_sources, num_second, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -265,7 +261,6 @@ def route_site_bwd_kernel(
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_offs = tok[:, None, None].to(tl.int64) * D
         in_range = (tok < T)[:, None, None]
-        next_lo, next_hi = _load_source_rows(table, 0, num_read, src0_ptr, row_offs, tok, T, *cols)
         dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
@@ -281,9 +276,8 @@ def route_site_bwd_kernel(
         wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
         w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        for n in range(0, num_read):
-            x_lo, x_hi = next_lo, next_hi
-            next_lo, next_hi = _load_source_rows(table, n + 1, num_read, src0_ptr, row_offs, tok, T, *cols)
+        for n in tl.range(0, num_read, num_stages=STAGES):
+            x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
@@ -383,7 +377,7 @@ def route_source_bwd_kernel(
     num_readers, T, eps,
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 4] address table: per
@@ -417,14 +411,12 @@ def route_source_bwd_kernel(
         y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
-    next_lo, next_hi = _load_source_rows(readers, 0, num_readers, dout0_ptr, row_offs, tok, T, *cols, 4, 0)
-    for k in range(0, num_readers):
-        dout_lo, dout_hi = next_lo, next_hi
-        next_lo, next_hi = _load_source_rows(readers, k + 1, num_readers, dout0_ptr, row_offs, tok, T, *cols, 4, 0)
-        lse = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
+    for k in tl.range(0, num_readers, num_stages=STAGES):
+        dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 4, 0)
+        lse = tl.load(_address(readers, k, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
                       other=float("inf"))
-        total = tl.load(_address(readers, k, num_readers, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
-        gq_ptr = _address(readers, k, num_readers, stat0_ptr, 4, 3)
+        total = tl.load(_address(readers, k, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
+        gq_ptr = _address(readers, k, stat0_ptr, 4, 3)
         gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
         scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
         acc_lo, acc_hi, norm_sum = _source_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
