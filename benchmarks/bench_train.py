@@ -161,7 +161,9 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     null = torch.randn(width, **bf16, requires_grad=True) if gated else None
     gate = torch.randn(1, **bf16, requires_grad=True) if gated else None
     stream = torch.randn(tokens, width, **bf16, requires_grad=True) if gated else None
-    grad = torch.randn(tokens, width, **bf16)
+    # one output gradient per read, as in a step: a gradient shared by every read would sit in L2
+    # and flatter the source kernel, which reads every read's gradient of each source
+    grads = [torch.randn(tokens, width, **bf16) for _ in sites]
     paired = any(role == "begin" for _, role in sites)
     params = [query, norm_weight] + ([null, gate, stream] if gated else []) + (
         [second_query, second_norm_weight] if paired else [])
@@ -183,7 +185,7 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
 
     def forward_backward():
         outs = forward()
-        torch.autograd.grad(outs, sources + params, [grad] * len(outs))
+        torch.autograd.grad(outs, sources + params, grads)
 
     fwd_units = bwd_units = 0  # in [tokens, width] bf16 tensors
     for n, role in sites:
@@ -191,7 +193,8 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
         bwd_units += 1 + (n - gated) * (2 if role != "begin" else 1)
     unit = tokens * width * 2
     floor_fwd, floor_bwd = fwd_units * unit / bandwidth * 1e3, bwd_units * unit / bandwidth * 1e3
-    fwd_ms, fwd_bwd_ms = routing_kernel_ms(forward), routing_kernel_ms(forward_backward)
+    kernels_ms = routing_kernel_ms(forward_backward)
+    fwd_ms, fwd_bwd_ms = sum(routing_kernel_ms(forward).values()), sum(kernels_ms.values())
     return dict(
         sites=len(sites),
         fwd_ms=round(fwd_ms, 3),
@@ -200,12 +203,13 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
         fwd_bwd_ms=round(fwd_bwd_ms, 3),
         fwd_bwd_floor_ms=round(floor_fwd + floor_bwd, 3),
         fwd_bwd_pct_of_floor=round(100 * (floor_fwd + floor_bwd) / fwd_bwd_ms, 1),
+        fwd_bwd_kernels_ms={name: round(ms, 3) for name, ms in sorted(kernels_ms.items())},
         fwd_bwd_wall_ms=round(triton.testing.do_bench(forward_backward, return_mode="median"), 3),
     )
 
 
-def routing_kernel_ms(fn, reps: int = 5) -> float:
-    """GPU time of the routing kernels per call of fn (from the profiler, so host time between
+def routing_kernel_ms(fn, reps: int = 5) -> dict[str, float]:
+    """GPU time of each routing kernel per call of fn (from the profiler, so host time between
     launches is not counted: the training step overlaps it with other work)."""
     fn()
     torch.cuda.synchronize()
@@ -213,8 +217,12 @@ def routing_kernel_ms(fn, reps: int = 5) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and "route_" in e.key]
-    return sum(e.self_device_time_total for e in events) / 1e3 / reps
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "route_" in e.key:
+            name = e.key.split("(")[0]
+            times[name] = times.get(name, 0.0) + e.self_device_time_total / 1e3 / reps
+    return times
 
 
 def release():

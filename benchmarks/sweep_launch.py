@@ -4,11 +4,12 @@
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source
 
 For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
-per warp, pipeline stages) choice of one kernel is timed with the other kernels at their current shape in
-`mhar_hf.ops.routing.fused.LAUNCH`: the forward kernel on the forward alone, the backward
-kernels on forward + backward; with --on-step, the whole training step instead (`fused+graph`,
-as bench_train.py times it; slower, and what the defaults in LAUNCH are chosen on: a shape
-that speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
+per warp, pipeline stages) choice of one kernel is timed by that kernel's own GPU time in one
+step's reads (forward + backward), the other kernels at their shape in
+`mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
+(`fused+graph`, as bench_train.py times it; slower, and what the defaults in LAUNCH are checked
+on: a shape that speeds a kernel alone can slow the step). Prints milliseconds per choice, best
+first.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ CHOICES = {  # (token rows per program, padded elements per warp, pipeline stage
     "site": list(itertools.product((1, 2), (256, 512, 1024), (2, 3))),
     "source": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (2, 3))),
 }
+
+
+KERNEL = {"forward": "route_fwd_kernel", "site": "route_site_bwd_kernel", "source": "route_source_bwd_kernel"}
 
 
 def full_mode_sites(layers: int) -> list[tuple[int, str]]:
@@ -68,7 +72,7 @@ def main():
                     timings.append((step_ms(preset), choice))
                     continue
                 figures = time_routing(sites, False, batch * seq, config.hidden_size, 8, bandwidth)
-                timings.append((figures["fwd_ms" if kind == "forward" else "fwd_bwd_ms"], choice))
+                timings.append((figures["fwd_bwd_kernels_ms"][KERNEL[kind]], choice))
             fused.LAUNCH[kind] = defaults[kind]
             fused._kernel_args.cache_clear()
             timings.sort()

@@ -571,6 +571,13 @@ def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
     assert len([w for w in recwarn if "reference routing op" in str(w.message)]) == 1
 
 
+@pytest.mark.parametrize("width, heads, held", [(1024, 8, 1024), (1280, 8, 1280), (1020, 12, 16 * (64 + 32))])
+def test_launch_counts_only_the_columns_a_program_holds(width, heads, held):
+    """A power-of-two d/H leaves the high tile empty: counting it gave d = 1024, H = 8 (350M) 1032
+    elements per row, which rounded its programs up to twice the warps."""
+    assert fused._padded_width(fused._tile(width, heads)) == held
+
+
 def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""

@@ -36,11 +36,11 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
 # its software-pipelined loop (kernels.py). Chosen on one training step's reads at every preset
-# (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md): pipelining the loops cut the 1B
-# reads' kernels from 22.3 to 15.6 ms, a source program of two token rows on two warps (1B) beats
-# one row on four (6.0 against 10.7 ms), the forward is best on one warp per row. Check a change on
-# the whole step too (`sweep_launch.py --on-step`): there, earlier, 8 source rows per program cut the
-# kernel from 22.9 to 19.8 ms yet made the step 6 % slower.
+# (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md): pipelined loops and these shapes
+# cut the 1B reads' kernels from 22.3 to 14.0 ms; there a source program of two token rows on two
+# warps beats one row on four (6.1 against 10.9 ms) and the forward is best on one warp per row.
+# Check a change on the whole step too (`sweep_launch.py --on-step`): earlier, 8 source rows per
+# program cut that kernel from 22.9 to 19.8 ms yet made the step 6 % slower.
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (2, 2048, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
