@@ -35,13 +35,13 @@ ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached 
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
-# its software-pipelined loop (kernels.py). Chosen on one training step's reads at every preset
-# (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md): pipelined loops and these shapes
-# cut the 1B reads' kernels from 22.3 to 14.0 ms; there a source program of two token rows on two
-# warps beats one row on four (6.1 against 10.9 ms) and the forward is best on one warp per row.
-# Check a change on the whole step too (`sweep_launch.py --on-step`): earlier, 8 source rows per
-# program cut that kernel from 22.9 to 19.8 ms yet made the step 6 % slower.
-LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (2, 2048, 3), "total": (1, 512)}
+# its software-pipelined loop (kernels.py). Forward and site: chosen on one step's reads at every
+# preset (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md); with pipelined loops they
+# cut the 1B reads' kernels from 22.3 to 14.0 ms. Source: chosen on the whole step, which the
+# kernel alone misranks: at 350M two token rows on one warp take 4.3 ms alone against 5.3 ms for
+# this shape, yet the step is 2.8 ms slower with them (0.748x the plain model against 0.791x;
+# 100M and 1B within 0.5 %). Check any change on the step (`sweep_launch.py --on-step`).
+LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (1, 1024, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
