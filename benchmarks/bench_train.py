@@ -168,11 +168,14 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     params = [query, norm_weight] + ([null, gate, stream] if gated else []) + (
         [second_query, second_norm_weight] if paired else [])
 
-    def forward():  # sources marked once per step and chained, as the model marks them where it makes them
+    def forward():
+        # each source marked once per step, chained, and (as the model makes it) after the reads
+        # before its first: autograd then runs each mark's backward before those reads', so
+        # sources pair up (DepthSource) as in the model; marked all at once they never would
         tracked, outs, prefix = [], [], None
-        for s in sources:
-            tracked.append(track(s, after=tracked[-1] if tracked else None))
         for n, role in sites:
+            while len(tracked) < n - gated:
+                tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
             read = tracked[: n - gated]
             if role == "begin":
                 out, prefix = fused_route_and_start(read, query, norm_weight, second_query, second_norm_weight, heads, 1e-6)
