@@ -582,20 +582,9 @@ def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
         import itertools
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
         from mhar_hf.ops.routing import kernels
-        from mhar_hf.ops.routing.fused import _tile
+        from mhar_hf.ops.routing.ahead import compile_kernel
 
-        types = dict(table="*i64", readers="*i64", src0_ptr="*bf16", src_ptr="*bf16", null_ptr="*bf16",
-                     q_ptr="*bf16", g_ptr="*bf16", gate_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", dout_ptr="*bf16", dout0_ptr="*bf16",
-                     grad_in_ptr="*bf16", dsrc_ptr="*bf16",
-                     lse_ptr="*fp32", stat0_ptr="*fp32", total_ptr="*fp32", gq_ptr="*fp32",
-                     partial_ptr="*fp32", q2_ptr="*bf16", g2_ptr="*bf16", prefix_acc_ptr="*fp32",
-                     prefix_stat_ptr="*fp32", lse2_ptr="*fp32", dout2_ptr="*bf16", total2_ptr="*fp32",
-                     partner_ptr="*bf16", partner_acc_ptr="*fp32", partner_norm_ptr="*fp32", init_acc_ptr="*fp32",
-                     init_norm_ptr="*fp32", num_sources="i32", num_second="i32", num_readers="i32", T="i32", eps="fp32")
         gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False,
                      HAS_PARTNER=False)
         split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True,
@@ -603,12 +592,8 @@ def test_kernels_compile_for_sm90():
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel)
-        for (width, heads, block_t, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
-            tile = dict(_tile(width, heads), BLOCK_T=block_t, STAGES=3)
-            constexprs = {k: v for k, v in dict(flags, **tile).items() if k in kernel.arg_names}
-            signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-            triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps))
+        for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
+            compile_kernel(kernel, flags, width, heads, rows, warps)
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -37,10 +37,11 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
 # its software-pipelined loop (kernels.py). Forward and site: chosen on one step's reads at every
 # preset (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md); with pipelined loops they
-# cut the 1B reads' kernels from 22.3 to 14.0 ms. Source: chosen on the whole step, which the
-# kernel alone misranks: at 350M two token rows on one warp take 4.3 ms alone against 5.3 ms for
-# this shape, yet the step is 2.8 ms slower with them (0.748x the plain model against 0.791x;
-# 100M and 1B within 0.5 %). Check any change on the step (`sweep_launch.py --on-step`).
+# cut the 1B reads' kernels from 22.3 to 14.0 ms. Source: chosen on the whole step (350M: 0.791x
+# the plain model against 0.748x with two rows per program; 100M and 1B within 0.5 %). Two rows
+# looked faster on the reads alone, which paired no sources then, but a paired launch at two rows
+# spills registers (benchmarks/kernel_resources.py). Check a change on the step
+# (`sweep_launch.py --on-step`) and for spills.
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (1, 1024, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 

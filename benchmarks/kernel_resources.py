@@ -1,0 +1,97 @@
+"""Registers and spills of the routing kernels at their launch shapes, without a GPU.
+
+    python benchmarks/kernel_resources.py
+    python benchmarks/kernel_resources.py --presets 350M --launch source=2,2048,3
+
+Builds each kernel variant (the flags a training step launches it with) for Hopper at the launch
+shape `mhar_hf.ops.routing.fused.LAUNCH` gives it for each preset's width (full mode, H heads),
+and prints what the compiled code uses per thread: registers, and stack bytes, where spilled
+registers go (any stack is a spill: the kernels keep no local arrays). A shape that spills is slow
+in the step even where a sweep on unpaired reads ranked it first. Runs on a CPU (Triton's compiler
+and its bundled cuobjdump); `--launch` tries other shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import triton
+
+from mhar_hf import MHARConfig
+from mhar_hf.ops.routing import fused, kernels
+from mhar_hf.ops.routing.ahead import compile_kernel
+
+VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a training step
+    ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_LSE=True)),
+    ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_SECOND=True)),
+    ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_INIT=True)),
+    ("forward", "gated, null", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True)),
+    ("site", "whole", kernels.route_site_bwd_kernel, {}),
+    ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),
+    ("site", "gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True)),
+    ("source", "alone", kernels.route_source_bwd_kernel, {}),
+    ("source", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
+    ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
+]
+FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER")
+
+
+def cuobjdump() -> str:
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    found = bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+    if found is None:
+        raise SystemExit("cuobjdump not found: neither Triton's bundled one nor one on PATH")
+    return found
+
+
+def resources(compiled, tool: str) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        report = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    if found is None:
+        raise RuntimeError(f"no resource line in cuobjdump's report:\n{report}")
+    return int(found[1]), int(found[2])
+
+
+def parse_launch(text: str) -> tuple[str, tuple[int, ...]]:
+    kind, _, shape = text.partition("=")
+    if kind not in fused.LAUNCH or not shape:
+        raise argparse.ArgumentTypeError(f"expected KIND=ROWS,PER_WARP[,STAGES] with KIND one of {list(fused.LAUNCH)}")
+    return kind, tuple(int(v) for v in shape.split(","))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["100M", "350M", "1B"])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--launch", type=parse_launch, action="append", default=[], metavar="KIND=ROWS,PER_WARP,STAGES")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this builds the kernels for the GPU")
+    fused.LAUNCH.update(dict(args.launch))
+    tool = cuobjdump()
+    print("| preset | kernel | launch | rows | warps | stages | registers | stack bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in args.presets:
+        width = MHARConfig.from_preset(preset).hidden_size
+        for kind, variant, kernel, flags in VARIANTS:
+            launch = fused._kernel_args(kind, width, args.heads)
+            every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
+            compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
+                                      launch["STAGES"])
+            registers, stack = resources(compiled, tool)
+            print(f"| {preset} | {kind} | {variant} | {launch['BLOCK_T']} | {launch['num_warps']} | {launch['STAGES']} "
+                  f"| {registers} | {stack} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
