@@ -1,23 +1,21 @@
 """Launch shapes of the routing kernels, swept one kernel at a time on one training step's reads.
 
     python benchmarks/sweep_launch.py --presets 100M 350M
-    python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source
+    python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
 
 For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
 per warp, pipeline stages) choice of one kernel is timed by that kernel's own GPU time in one
 step's reads (forward + backward), the other kernels at their shape in
 `mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
-(`fused+graph`, as bench_train.py times it; slower, and what the defaults in LAUNCH are checked
-on: a shape that speeds a kernel alone can slow the step). Prints milliseconds per choice, best
-first.
+(`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
+the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
+speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-
-import torch
 
 from bench_train import MICRO_BATCH, build, compile_regions, copy_bandwidth, release, time_routing, time_training
 from mhar_hf import MHARConfig
@@ -40,22 +38,35 @@ def full_mode_sites(layers: int) -> list[tuple[int, str]]:
     return [(2, "whole"), *pairs, (2 * layers + 1, "whole")]
 
 
-def step_ms(preset: str) -> float:
-    """One full H = 8 training step with the whole step in a CUDA graph (bench_train's fused+graph)."""
+def step_ms(preset: str, mode: str = "full") -> float:
+    """One training step with the whole step in a CUDA graph: MHAR full H = 8 as bench_train's
+    fused+graph, or with mode="standard" the plain model as its compiled+graph baseline."""
     batch, seq = MICRO_BATCH[preset]
-    model = build(preset, "full", 8, "fused")
-    compile_regions(model, whole_layers=False)
+    plain = mode == "standard"
+    model = build(preset, mode, 8, "reference" if plain else "fused")
+    compile_regions(model, whole_layers=plain)
     ms = time_training(model, batch, seq, warmup=3, steps=8, graph=True)["step_ms"]
     del model
     release()
     return ms
 
 
+def parse_choice(text: str) -> tuple[int, int, int]:
+    try:
+        rows, per_warp, stages = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWS,PER_WARP,STAGES (three integers), got {text!r}") from None
+    return rows, per_warp, stages
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["100M", "350M"], choices=list(MICRO_BATCH))
     parser.add_argument("--kinds", nargs="+", default=list(CHOICES), choices=list(CHOICES))
-    parser.add_argument("--on-step", action="store_true", help="time the whole training step per choice")
+    parser.add_argument("--choices", nargs="+", type=parse_choice, metavar="ROWS,PER_WARP,STAGES",
+                        help="try only these shapes (for every kind swept)")
+    parser.add_argument("--on-step", action="store_true",
+                        help="time the whole training step per choice, and the plain model's step in the same run")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     defaults = dict(fused.LAUNCH)
@@ -63,9 +74,12 @@ def main():
         config = MHARConfig.from_preset(preset)
         batch, seq = MICRO_BATCH[preset]
         sites = full_mode_sites(config.num_hidden_layers)
+        plain = step_ms(preset, "standard") if args.on_step else None
+        if plain is not None:
+            print(f"{preset} plain compiled+graph step: {plain:.3f} ms", flush=True)
         for kind in args.kinds:
             timings = []
-            for choice in CHOICES[kind]:
+            for choice in args.choices or CHOICES[kind]:
                 fused.LAUNCH[kind] = choice
                 fused._kernel_args.cache_clear()
                 if args.on_step:
@@ -76,7 +90,8 @@ def main():
             fused.LAUNCH[kind] = defaults[kind]
             fused._kernel_args.cache_clear()
             timings.sort()
-            print(f"{preset} {kind}: " + ", ".join(f"{c} {ms:.3f} ms" for ms, c in timings), flush=True)
+            ratio = (lambda ms: f" ({plain / ms:.3f}x plain)") if plain is not None else (lambda ms: "")
+            print(f"{preset} {kind}: " + ", ".join(f"{c} {ms:.3f} ms{ratio(ms)}" for ms, c in timings), flush=True)
 
 
 if __name__ == "__main__":
