@@ -9,9 +9,8 @@ Tensors that vary per source or per reader are reached through int64 tables of t
 addresses, so the caller never stacks them. Each loop over sources or reads is software-pipelined
 (`tl.range(num_stages=STAGES)`: the loads of the next iterations go to shared memory while the
 current one computes), which keeps several reads in flight without holding them in registers.
-All statistics, logits, softmax and the mix run in fp32:
-every load is upcast at once (bf16 arithmetic is wrong in the Triton interpreter, and `tl.exp`
-rejects bf16).
+All statistics, logits, softmax and the mix run in fp32: every load is upcast at once (bf16
+arithmetic is wrong in the Triton interpreter, and `tl.exp` rejects bf16).
 
 With w = softmax(logit), P_nh = <dout_h, x_nh>, S_h = sum_n w_nh P_nh and dlogit = w (P - S),
 the gradient of source n through one read is
@@ -413,8 +412,7 @@ def route_source_bwd_kernel(
         y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
         dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 4, 0)
-        lse = tl.load(_address(readers, k, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask,
-                      other=float("inf"))
+        lse = tl.load(_address(readers, k, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask, other=float("inf"))
         total = tl.load(_address(readers, k, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
         gq_ptr = _address(readers, k, stat0_ptr, 4, 3)
         gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
