@@ -161,8 +161,8 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     null = torch.randn(width, **bf16, requires_grad=True) if gated else None
     gate = torch.randn(1, **bf16, requires_grad=True) if gated else None
     stream = torch.randn(tokens, width, **bf16, requires_grad=True) if gated else None
-    # one output gradient per read, as in a step: a gradient shared by every read would sit in L2
-    # and flatter the source kernel, which reads every read's gradient of each source
+    # one output gradient per read, as in a step (the source kernel reads every read's gradient of
+    # its source: one shared by all could stay in L2)
     grads = [torch.randn(tokens, width, **bf16) for _ in sites]
     paired = any(role == "begin" for _, role in sites)
     params = [query, norm_weight] + ([null, gate, stream] if gated else []) + (
@@ -315,7 +315,8 @@ def run(args) -> dict:
                         kernel = measure_mhar(record, baselines[preset], args, bandwidth)
                         if kernel is not None:
                             report["kernels"].append(kernel)
-    report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp, pipeline_stages=stages[0] if stages else None)
+    report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp,
+                                   pipeline_stages=stages[0] if stages else None)
                         for kind, (rows, per_warp, *stages) in LAUNCH.items()}
     report["elapsed_s"] = round(time.monotonic() - began)
     return report

@@ -56,7 +56,8 @@ def resources(compiled, tool: str) -> tuple[int, int]:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        report = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True)
+    report = dump.stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if found is None:
         raise RuntimeError(f"no resource line in cuobjdump's report:\n{report}")
