@@ -70,6 +70,14 @@ def _load_vector(ptr, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
+def _load_gq(g_ptr, q_ptr, col_lo, mask_lo, col_hi, mask_hi):
+    """g*q, a read's key-norm weight times its query, as two fp32 tiles."""
+    g_lo, g_hi = _load_vector(g_ptr, col_lo, mask_lo, col_hi, mask_hi)
+    q_lo, q_hi = _load_vector(q_ptr, col_lo, mask_lo, col_hi, mask_hi)
+    return g_lo * q_lo, g_hi * q_hi
+
+
+@triton.jit
 def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi):
     """Rows of a [T, D] tensor as two fp32 tiles: `row_offs` ([BLOCK_T, 1, 1]) their offsets,
     `row_ok` which rows to load (zeros in the others)."""
@@ -145,9 +153,7 @@ def route_fwd_kernel(
     in_range = (tok < T)[:, None, None]
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
-    g_lo, g_hi = _load_vector(g_ptr, *cols)
-    q_lo, q_hi = _load_vector(q_ptr, *cols)
-    gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
+    gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
 
     if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
         m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
@@ -159,9 +165,7 @@ def route_fwd_kernel(
         acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
     if HAS_SECOND:
-        g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
-        q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
-        gq2_lo, gq2_hi = g2_lo * q2_lo, g2_hi * q2_hi
+        gq2_lo, gq2_hi = _load_gq(g2_ptr, q2_ptr, *cols)
         m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
@@ -227,9 +231,7 @@ def route_site_bwd_kernel(
     pid = tl.program_id(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    q_lo, q_hi = _load_vector(q_ptr, *cols)
-    g_lo, g_hi = _load_vector(g_ptr, *cols)
-    gq_lo, gq_hi = g_lo * q_lo, g_hi * q_hi
+    gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     if HAS_GATE:
         scale = tl.load(gate_ptr).to(tl.float32)
     else:
@@ -250,9 +252,7 @@ def route_site_bwd_kernel(
     num_read = num_sources
     if HAS_SECOND:
         num_read = num_second
-        q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
-        g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
-        gq2_lo, gq2_hi = g2_lo * q2_lo, g2_hi * q2_hi
+        gq2_lo, gq2_hi = _load_gq(g2_ptr, q2_ptr, *cols)
         dkey2_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
         dkey2_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
 
@@ -313,6 +313,10 @@ def route_site_bwd_kernel(
             dgate += total  # zero in padded rows and heads
 
     row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
+    # g and q loaded again rather than held through the loop: registers bound how many programs
+    # a multiprocessor runs at once
+    g_lo, g_hi = _load_vector(g_ptr, *cols)
+    q_lo, q_hi = _load_vector(q_ptr, *cols)
     tl.store(partial_ptr + pid * D + col_lo, scale * dkey_lo * g_lo, mask=mask_lo)
     tl.store(partial_ptr + pid * D + col_hi, scale * dkey_hi * g_hi, mask=mask_hi)
     tl.store(partial_ptr + row + pid * D + col_lo, scale * dkey_lo * q_lo, mask=mask_lo)
@@ -322,6 +326,8 @@ def route_site_bwd_kernel(
         tl.store(partial_ptr + 2 * row + pid * D + col_hi, scale * dnull_hi, mask=mask_hi)
     if HAS_SECOND:
         second = (2 + HAS_NULL) * row + pid * D
+        g2_lo, g2_hi = _load_vector(g2_ptr, *cols)
+        q2_lo, q2_hi = _load_vector(q2_ptr, *cols)
         tl.store(partial_ptr + second + col_lo, dkey2_lo * g2_lo, mask=mask_lo)
         tl.store(partial_ptr + second + col_hi, dkey2_hi * g2_hi, mask=mask_hi)
         tl.store(partial_ptr + second + row + col_lo, dkey2_lo * q2_lo, mask=mask_lo)
@@ -349,10 +355,9 @@ def route_total_kernel(
     tl.store(total_ptr + tok[:, None] * H + head[None, :], _head_dots(dout_lo, dout_hi, out_lo, out_hi),
              mask=(tok < T)[:, None] & (head < H)[None, :])
     if tl.program_id(0) == 0:
-        q_lo, q_hi = _load_vector(q_ptr, *cols)
-        g_lo, g_hi = _load_vector(g_ptr, *cols)
-        tl.store(gq_ptr + col_lo, g_lo * q_lo, mask=mask_lo)
-        tl.store(gq_ptr + col_hi, g_hi * q_hi, mask=mask_hi)
+        gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
+        tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
+        tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
         tl.store(gq_ptr + D, 1.0)
 
 
