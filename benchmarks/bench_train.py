@@ -142,6 +142,31 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
+def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tuple, heads: int,
+               null=None, gate=None, stream=None) -> list[torch.Tensor]:
+    """The outputs of one training step's routing reads with the fused op, made as the model makes
+    them. `sites`: (sources read, role) per read, a gated read's count including its stream;
+    `first` and `second`: the (query, key-norm weight) of whole and beginning reads, and of ending
+    ones; with a gate, delta mode's reads (`stream + gate * mix`). Each source is marked once,
+    chained, after the reads before its first, as the model makes it: autograd then runs each
+    mark's backward before those reads', so sources pair up (DepthSource) as in a step. Marked all
+    at once, no two would."""
+    gated = gate is not None
+    tracked, outs, prefix = [], [], None
+    for n, role in sites:
+        while len(tracked) < n - gated:
+            tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
+        read = tracked[: n - gated]
+        if role == "begin":
+            out, prefix = fused_route_and_start(read, *first, *second, heads, 1e-6)
+        elif role == "end":
+            out = fused_route(read, *second, heads, 1e-6, prefix=prefix)
+        else:
+            out = fused_route(read, *first, heads, 1e-6, null, gate, stream)
+        outs.append(out)
+    return outs
+
+
 def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: int, heads: int,
                  bandwidth: float) -> dict:
     """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
@@ -169,22 +194,8 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
         [second_query, second_norm_weight] if paired else [])
 
     def forward():
-        # each source marked once per step, chained, and (as the model makes it) after the reads
-        # before its first: autograd then runs each mark's backward before those reads', so
-        # sources pair up (DepthSource) as in the model; marked all at once they never would
-        tracked, outs, prefix = [], [], None
-        for n, role in sites:
-            while len(tracked) < n - gated:
-                tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
-            read = tracked[: n - gated]
-            if role == "begin":
-                out, prefix = fused_route_and_start(read, query, norm_weight, second_query, second_norm_weight, heads, 1e-6)
-            elif role == "end":
-                out = fused_route(read, second_query, second_norm_weight, heads, 1e-6, prefix=prefix)
-            else:
-                out = fused_route(read, query, norm_weight, heads, 1e-6, null, gate, stream)
-            outs.append(out)
-        return outs
+        return step_reads(sites, sources, (query, norm_weight), (second_query, second_norm_weight), heads,
+                          null, gate, stream)
 
     def forward_backward():
         outs = forward()

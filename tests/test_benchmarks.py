@@ -1,0 +1,47 @@
+"""The benchmarks' stand-ins for a training step launch what the model launches."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhar_hf import MHARForCausalLM
+from mhar_hf.ops.routing import fused
+from mhar_hf.tiny import tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_train import step_reads  # noqa: E402
+from sweep_launch import full_mode_sites  # noqa: E402
+
+
+@pytest.fixture
+def source_launches(monkeypatch):
+    """Per source-kernel launch: (reads summed, starts from a partial, sums a partner's terms)."""
+    launches = []
+    launch = fused._source_grad
+
+    def spy(source, records, grad_in, partial, partner):
+        launches.append((len(records), partial is not None, partner is not None))
+        return launch(source, records, grad_in, partial, partner)
+
+    monkeypatch.setattr(fused, "_source_grad", spy)
+    return launches
+
+
+def test_step_reads_pair_sources_as_the_model_does(source_launches):
+    layers = 5
+    config = tiny_config(residual_mode="full", routing_implementation="fused", num_hidden_layers=layers)
+    MHARForCausalLM(config)(torch.randint(0, 384, (1, 6))).logits.sum().backward()
+    by_model = list(source_launches)
+    source_launches.clear()
+
+    sites = full_mode_sites(layers)
+    width = config.hidden_size
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites))]
+    first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
+    outs = step_reads(sites, sources, first, second, config.residual_heads)
+    torch.autograd.grad(outs, sources + [*first, *second], [torch.randn_like(o) for o in outs])
+
+    assert any(partner for _, _, partner in by_model)  # the comparison means something only with pairs
+    assert source_launches == by_model
