@@ -26,6 +26,7 @@ import triton
 from mhar_hf import MHARConfig
 from mhar_hf.ops.routing import fused, kernels
 from mhar_hf.ops.routing.ahead import compile_kernel
+from sweep_launch import parse_choice
 
 VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a training step
     ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_LSE=True)),
@@ -64,11 +65,12 @@ def resources(compiled, tool: str) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
-def parse_launch(text: str) -> tuple[str, tuple[int, ...]]:
+def parse_launch(text: str) -> tuple[str, tuple[int, int, int]]:
     kind, _, shape = text.partition("=")
-    if kind not in fused.LAUNCH or not shape:
-        raise argparse.ArgumentTypeError(f"expected KIND=ROWS,PER_WARP[,STAGES] with KIND one of {list(fused.LAUNCH)}")
-    return kind, tuple(int(v) for v in shape.split(","))
+    kinds = sorted({kind for kind, *_ in VARIANTS})
+    if kind not in kinds:
+        raise argparse.ArgumentTypeError(f"expected KIND=ROWS,PER_WARP,STAGES with KIND one of {kinds}, got {text!r}")
+    return kind, parse_choice(shape)
 
 
 def main():

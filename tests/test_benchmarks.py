@@ -11,7 +11,7 @@ from mhar_hf.ops.routing import fused
 from mhar_hf.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_train import step_reads  # noqa: E402
+from bench_train import record_routing_sites, step_reads  # noqa: E402
 from sweep_launch import full_mode_sites  # noqa: E402
 
 
@@ -32,11 +32,13 @@ def source_launches(monkeypatch):
 def test_step_reads_pair_sources_as_the_model_does(source_launches):
     layers = 5
     config = tiny_config(residual_mode="full", routing_implementation="fused", num_hidden_layers=layers)
-    MHARForCausalLM(config)(torch.randint(0, 384, (1, 6))).logits.sum().backward()
+    model = MHARForCausalLM(config)
+    sites = record_routing_sites(model)
+    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
     by_model = list(source_launches)
     source_launches.clear()
+    assert sites == full_mode_sites(layers)  # what sweep_launch.py times is the model's reads
 
-    sites = full_mode_sites(layers)
     width = config.hidden_size
     sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites))]
     first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
