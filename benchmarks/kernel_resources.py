@@ -7,9 +7,10 @@ Builds each kernel variant (the flags a training step launches it with) for Hopp
 shape `mhar_hf.ops.routing.fused.LAUNCH` gives it for each preset's width (full mode, H heads),
 and prints what the compiled code uses per thread: registers, and stack bytes, where spilled
 registers go (any stack is a spill: the kernels keep no local arrays). A shape that spills is slow
-in the step even where a sweep on unpaired reads ranked it first. Runs on a CPU (Triton's compiler
-and its bundled cuobjdump); the figures are the installed Triton's, which may allocate otherwise
-than the GPU machine's. `--launch` tries other shapes.
+in the step even where it times well alone (as two source rows did while the reads timed alone
+formed no source pairs). Runs on a CPU (Triton's compiler and its bundled cuobjdump); the figures
+are the installed Triton's, which may allocate otherwise than the GPU machine's. `--launch` tries
+other shapes.
 """
 
 from __future__ import annotations
