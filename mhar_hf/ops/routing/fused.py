@@ -16,7 +16,6 @@ which share the forward's and the site backward's passes over their common sourc
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -290,7 +289,7 @@ class DepthSource(torch.autograd.Function):
         # records and partial sums of this backward pass only: a pass that stopped short
         # (autograd.grad on a subset of inputs) may have left some that no later pass must count
         task = torch._C._current_graph_task_id()
-        records = [r for r in ctx.records if r.task == task]
+        records = [(r, position) for r, position in ctx.records if r.task == task]
         partial = ctx.partial if ctx.partial is not None and ctx.partial.task == task else None
         ctx.records, ctx.partial = [], None
         if not records and partial is None:
@@ -324,37 +323,49 @@ def track(source: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tens
 
 
 def _on_one_chain(sources) -> tuple[tuple, list, torch.Tensor | None]:
-    """The sources with every one that needs a gradient marked on one chain, the marks of those,
-    and the newest marked source (None when no source needs a gradient). Sources marked where
-    they were made, newest last (the model's), come back as they are; others are marked here."""
-    needing = [s for s in sources if s.requires_grad]
-    if not needing:
+    """The sources with every one that needs a gradient marked on one chain, (mark, position
+    among the sources) of those, and the newest marked source (None when no source needs a
+    gradient). Sources marked where they were made, newest last (the model's), come back as they
+    are; others are marked here."""
+    positions = [i for i, s in enumerate(sources) if s.requires_grad]
+    if not positions:
         return sources, [], None
-    marks = [s.grad_fn for s in needing]
+    marks = [sources[i].grad_fn for i in positions]
     newest = marks[-1]
-    if isinstance(newest, _DEPTH_NODE) and all(isinstance(m, _DEPTH_NODE) and _precedes(m, newest) for m in marks):
-        return sources, marks, needing[-1]
-    marked, previous = [], None
-    for s in sources:
-        if s.requires_grad:
-            s = previous = _mark(s, previous)
-        marked.append(s)
-    return tuple(marked), [s.grad_fn for s in marked if s.requires_grad], previous
+    if not (isinstance(newest, _DEPTH_NODE) and all(isinstance(m, _DEPTH_NODE) and _precedes(m, newest)
+                                                    for m in marks)):
+        marked, previous = [], None
+        for s in sources:
+            if s.requires_grad:
+                s = previous = _mark(s, previous)
+            marked.append(s)
+        sources = tuple(marked)
+        marks = [sources[i].grad_fn for i in positions]
+    return sources, list(zip(marks, positions)), sources[positions[-1]]
 
 
-class ReadRecord(NamedTuple):
-    """What one read's backward leaves with each source it read, for the source kernel."""
+class ReadRecord:
+    """What one read's backward leaves with each source it read (with the source's position
+    among the read's sources), for the source kernel. `terms`: the read's dots and P per source
+    (fp32 [sources, 2, T, H]), written by its site kernel (or, for a split pair's second read,
+    partly by its total kernel, the rest by the pair's site kernel)."""
 
-    task: int  # the backward pass (graph task) that wrote it
-    dout: torch.Tensor
-    lse: torch.Tensor
-    total: torch.Tensor
-    gq: torch.Tensor
-    eps: float
-    addresses: tuple[int, int, int, int]  # of dout, lse, total, gq: one row of the reader table
+    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
 
-    def with_dout(self, dout: torch.Tensor) -> ReadRecord:
-        return self._replace(dout=dout, addresses=(dout.data_ptr(), *self.addresses[1:]))
+    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
+        self.task, self.dout, self.lse, self.total, self.gq, self.terms, self.eps = task, dout, lse, total, gq, terms, eps
+        self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
+        self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
+
+    def terms_address(self, position: int) -> int:
+        """Where this read's terms for its source at `position` start."""
+        base, step = self._terms_at
+        return base + position * step
+
+
+def _leave(marks, record: ReadRecord) -> None:
+    for mark, position in marks:
+        mark.records.append((record, position))
 
 
 class Partial(NamedTuple):
@@ -372,7 +383,7 @@ class Partial(NamedTuple):
 PARTNER_MIN_READS = 4
 
 
-def _partner(ctx, records: list[ReadRecord], task: int):
+def _partner(ctx, records: list[tuple[ReadRecord, int]], task: int):
     """The mark made just before this one, when its reads so far are exactly this one's and there
     are enough of them to pay: one launch then sums both sources' terms. (In full mode an
     attention output and the MLP output of the layer before it: every read of the latter but the
@@ -381,33 +392,44 @@ def _partner(ctx, records: list[ReadRecord], task: int):
     if (node is None or len(records) < PARTNER_MIN_READS or node.partial is not None
             or node.source.shape != ctx.source.shape):
         return None
-    theirs = {id(r) for r in node.records if r.task == task}
-    return node if theirs == {id(r) for r in records} else None
+    theirs = {id(r) for r, _ in node.records if r.task == task}
+    return node if theirs == {id(r) for r, _ in records} else None
 
 
-def _source_grad(source, records: list[ReadRecord], grad_in, partial: Partial | None, partner):
+def _reader_table(records: list[tuple[ReadRecord, int]], partner) -> tuple[list[int], list[torch.Tensor]]:
+    """The source kernel's reader table (per read: output gradient, lse, S, g*q, and its terms for
+    the source and for the partner), and the output gradients converted to one dtype that the
+    table points at (reads of mixed output dtypes)."""
+    theirs = {id(r): position for r, position in partner.records} if partner is not None else {}
+    dtype = records[0][0].dout.dtype
+    table, converted = [], []
+    for r, position in records:
+        addresses = r.addresses
+        if r.dout.dtype != dtype:
+            converted.append(r.dout.to(dtype))
+            addresses = (converted[-1].data_ptr(), *addresses[1:])
+        table += (*addresses, r.terms_address(position), r.terms_address(theirs[id(r)]) if partner is not None else 0)
+    return table, converted
+
+
+def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial: Partial | None, partner):
     """The source's gradient from its reads' records, its `partial` sums and `grad_in`; with a
     `partner` (see _partner), that mark's terms from the same records are left with it."""
     task, eps, heads = (partial.task, partial.eps, partial.heads) if partial is not None else (
-        records[0].task, records[0].eps, records[0].lse.shape[-1])
-    addresses, kinds = [], set()
-    for r in records:
-        addresses += r.addresses
-        kinds.add((r.eps, r.dout.dtype))
-    every_eps = {e for e, _ in kinds} | {eps}
+        records[0][0].task, records[0][0].eps, records[0][0].lse.shape[-1])
+    every_eps = {r.eps for r, _ in records} | {eps}
     if len(every_eps) > 1:
         raise ValueError(f"reads of one source must share one eps (the model's rms_norm_eps); got {sorted(every_eps)}")
-    if len(kinds) > 1:  # outputs of mixed dtypes
-        records = [r.with_dout(r.dout.to(records[0].dout.dtype)) for r in records]
-        addresses = list(itertools.chain.from_iterable(r.addresses for r in records))
+    # `converted` is held until the launch, which reads them through the table
+    addresses, converted = _reader_table(records, partner) if records else ([], [])
     width = source.shape[-1]
     tokens = source.numel() // width
     launch = _kernel_args("source", width, heads)
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
     # pointer types for the table's loads, and a stand-in for pointers a launch does not use
-    dout0, stat0 = (records[0].dout, records[0].lse) if records else (source, partial.acc)
-    readers = _upload(addresses or [stat0.data_ptr()] * 4, source.device)  # no reads left: a row it never reads
+    dout0, stat0 = (records[0][0].dout, records[0][0].lse) if records else (source, partial.acc)
+    readers = _upload(addresses or [stat0.data_ptr()] * 6, source.device)  # no reads left: a row it never reads
     other = left = None
     if partner is not None:
         other = partner.source.contiguous()
@@ -421,8 +443,8 @@ def _source_grad(source, records: list[ReadRecord], grad_in, partial: Partial | 
         HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=other is not None, HAS_INIT=partial is not None, **launch,
     )
     if other is not None:
-        done = {id(r) for r in records}
-        partner.records = [r for r in partner.records if id(r) not in done]
+        done = {id(r) for r, _ in records}
+        partner.records = [(r, position) for r, position in partner.records if id(r) not in done]
         partner.partial = left
     return grad
 
@@ -452,19 +474,20 @@ class FusedRoute(torch.autograd.Function):
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
                                           null_source, gate, lse, grad_out)
-        for mark in ctx.marks:
-            mark.records.append(record)
+        _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
 
 
 class SecondRead(NamedTuple):
-    """The second read of a split pair, as its backward leaves it for the pair's site kernel."""
+    """The second read of a split pair, as its backward leaves it for the pair's site kernel
+    (which writes its record's terms)."""
 
     task: int
     dout: torch.Tensor
     lse: torch.Tensor
     total: torch.Tensor
+    record: ReadRecord
 
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
@@ -488,17 +511,18 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
                               * len(sources), 4 * width * rows, device)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
     gq = _empty((width + 1,), dtype=torch.float32, device=device)
+    terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
     sums_end = rows * programs * width
     partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(programs,)](
         table, first, null_source if has_null else query, query, key_norm_weight,
-        gate if has_gate else query, lse, grad_out, total, gq, partials,
-        q2, g2, *((later.lse, later.dout, later.total) if second is not None else (lse, grad_out, total)),
+        gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
+        q2, g2, *((later.lse, later.dout, later.total, later.record.terms) if second is not None
+                  else (lse, grad_out, total, terms)),
         num_sources, len(sources), tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, **launch,
     )
-    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, eps,
-                        _addresses((grad_out, lse, total, gq)))
+    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
     # one deterministic reduction of the per-program partials, and few small ops after it:
     # each costs the host more than the GPU
@@ -514,17 +538,20 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     return (grads[0], grads[1], dnull, dgate), record, second_grads
 
 
-def _record_totals(grad_out, out, query, key_norm_weight, num_heads):
-    """S and g*q of a read from its output (route_total_kernel): what the source kernel needs."""
+def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
+    """S, g*q and the terms of the sources from `first` on, of a read from its output
+    (route_total_kernel); the pair's site kernel writes the other terms."""
     width = out.shape[-1]
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
     gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
+    terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        grad_out, out, query, key_norm_weight, total, gq, tokens, **launch
+        grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
+        **launch,
     )
-    return total, gq
+    return total, gq, terms
 
 
 class _Pair:
@@ -591,8 +618,7 @@ class FusedRoutePair(torch.autograd.Function):
         second = (next_query, next_key_norm_weight, later, pair.sources, pair.table) if later is not None else None
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
                                                      key_norm_weight, None, None, lse, grad_out, second)
-        for mark in ctx.marks:
-            mark.records.append(record)
+        _leave(ctx.marks, record)
         return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
 
 
@@ -608,11 +634,10 @@ class FusedRouteEnd(torch.autograd.Function):
         begun = len(prefix.sources)
         out, lse, _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads,
                                eps, store_lse=True, init=SoftmaxState(acc, prefix.state.stat))
-        if prefix.pair is not None:
-            # detached: the new sources are usually made from the first read's output, so holding
-            # their marks would close a reference cycle through autograd nodes, which nothing frees
-            prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
-        ctx.num_heads, ctx.eps, ctx.marks, ctx.pair = num_heads, eps, marks, prefix.pair
+        # detached: the new sources are usually made from the first read's output, so holding
+        # their marks would close a reference cycle through autograd nodes, which nothing frees
+        prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
+        ctx.num_heads, ctx.eps, ctx.marks, ctx.pair, ctx.begun = num_heads, eps, marks, prefix.pair, begun
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
 
@@ -620,13 +645,14 @@ class FusedRouteEnd(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key_norm_weight, lse, out = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))
-        total, gq = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads)
+        # the terms of the sources whose source kernels may run before the pair's site kernel: those
+        # the first read does not take, and the partner of the earliest (the first read's last)
+        total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
+                                          ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
-        record = ReadRecord(task, grad_out, lse, total, gq, ctx.eps, _addresses((grad_out, lse, total, gq)))
-        for mark in ctx.marks:
-            mark.records.append(record)
-        if ctx.pair is not None:
-            ctx.pair.second = SecondRead(task, grad_out, lse, total)
+        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
+        _leave(ctx.marks, record)
+        ctx.pair.second = SecondRead(task, grad_out, lse, total, record)
         return (None,) * 9
 
 

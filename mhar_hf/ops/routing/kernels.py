@@ -205,10 +205,18 @@ def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.cons
 
 
 @triton.jit
+def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p):
+    """A read's dots and P for its source n: block n of its terms ([sources, 2, T, H])."""
+    block = terms_ptr + tl.cast(n, tl.int64) * 2 * T * H
+    tl.store(block + stat_offs, dots, mask=stat_mask)
+    tl.store(block + T * H + stat_offs, p, mask=stat_mask)
+
+
+@triton.jit
 def route_site_bwd_kernel(
     table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
-    total_ptr, gq_ptr, partial_ptr,
-    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr,
+    total_ptr, gq_ptr, partial_ptr, terms_ptr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
     num_sources, num_second, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
@@ -219,6 +227,9 @@ def route_site_bwd_kernel(
     so the source kernel never touches the parameters, which FSDP may have freed by then), and
     each program's partial sums of the query's, the key-norm weight's and the null source's
     gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]).
+    Per source it also writes the read's terms (`terms`, fp32 [sources, 2, T, H]: the dots
+    <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
+    reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
     One pass: A = sum_n w (P - S) rstd x is gathered as sum_n w P rstd x - S * sum_n w rstd x,
     since S is only known at the end. With a gate, `dout_ptr` is the gradient of
     residual + gate * mix: every term is computed for the mix and scaled by the gate once, and
@@ -227,7 +238,8 @@ def route_site_bwd_kernel(
     With HAS_SECOND the pass also serves the second read of a split pair (route_fwd_kernel),
     whose sources are the table's first `num_second` (this read's `num_sources` and more): its
     S (`total2`) is known already, from its output (route_total_kernel), so A2 = sum_n w (P - S)
-    rstd x is summed directly; its query's and key-norm weight's partials follow this read's."""
+    rstd x is summed directly; its query's and key-norm weight's partials follow this read's, and
+    its terms go to `terms2`."""
     pid = tl.program_id(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -278,6 +290,7 @@ def route_site_bwd_kernel(
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
+            _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p)
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
@@ -289,8 +302,10 @@ def route_site_bwd_kernel(
             w_x_hi += w_rstd[:, :, None] * x_hi
             if HAS_SECOND:
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
+                p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
+                _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2)
                 w2 = tl.exp(dots2 * rstd[:, None] - lse2)
-                dlogit2_rstd = (w2 * (_head_dots(dout2_lo, dout2_hi, x_lo, x_hi) - total2) * rstd[:, None])[:, :, None]
+                dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
         if HAS_NULL:
@@ -338,35 +353,64 @@ def route_site_bwd_kernel(
 
 @triton.jit
 def route_total_kernel(
-    dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, T,
+    dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
-    site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix) and g*q in fp32
-    followed by its scale, 1 (see route_site_bwd_kernel)."""
+    site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), g*q in fp32
+    followed by its scale, 1 (see route_site_bwd_kernel), and the terms of its sources from
+    `first` on: those whose source kernels may run before the pair's site kernel writes the
+    others (the sources the first read does not take, and the partner of the earliest)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     row_offs = tok[:, None, None].to(tl.int64) * D
     in_range = (tok < T)[:, None, None]
+    stat_offs = tok[:, None] * H + head[None, :]
+    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
     out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols)
-    tl.store(total_ptr + tok[:, None] * H + head[None, :], _head_dots(dout_lo, dout_hi, out_lo, out_hi),
-             mask=(tok < T)[:, None] & (head < H)[None, :])
+    tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
+    gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
+    for n in range(first, num_sources):
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+        _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask,
+                     _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]), _head_dots(dout_lo, dout_hi, x_lo, x_hi))
     if tl.program_id(0) == 0:
-        gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
         tl.store(gq_ptr + D, 1.0)
 
 
 @triton.jit
-def _source_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
-    """Add one read's terms to a source's running sums (route_source_bwd_kernel)."""
-    dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in_range, stat_offs, stat_mask,
+                 col_lo, mask_lo, col_hi, mask_hi):
+    """Row k of the reader table: that read's output gradient rows, lse, S, g*q and scale."""
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 6, 0)
+    lse = tl.load(_address(readers, k, stat0_ptr, 6, 1) + stat_offs, mask=stat_mask, other=float("inf"))
+    total = tl.load(_address(readers, k, stat0_ptr, 6, 2) + stat_offs, mask=stat_mask, other=0.0)
+    gq_ptr = _address(readers, k, stat0_ptr, 6, 3)
+    gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
+    scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
+    return dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale
+
+
+@triton.jit
+def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, stat_offs, stat_mask):
+    """The dots and P a read's site kernel wrote for one source (entry FIELD of row k)."""
+    block = _address(readers, k, stat0_ptr, 6, FIELD)
+    return (tl.load(block + stat_offs, mask=stat_mask, other=0.0),
+            tl.load(block + T * H + stat_offs, mask=stat_mask, other=0.0))
+
+
+@triton.jit
+def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
+    """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
+    <x_h, (g*q)_h> and P = <dout_h, x_h>."""
     w = tl.exp(dots * rstd[:, None] - lse)
-    dlogit = w * (_head_dots(dout_lo, dout_hi, x_lo, x_hi) - total) * scale
+    dlogit = w * (p - total) * scale
     w = w * scale
     w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
     acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
@@ -384,8 +428,11 @@ def route_source_bwd_kernel(
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
-    reached it other than through reads). `readers` is a [num_readers, 4] address table: per
-    read, its output gradient, lse, S (fp32 [T, H]) and g*q (fp32 [D]) followed by its scale.
+    reached it other than through reads). `readers` is a [num_readers, 6] address table: per
+    read, its output gradient, lse, S (fp32 [T, H]), g*q (fp32 [D]) followed by its scale, and
+    its terms (dots and P, fp32 [2, T, H], from its site or total kernel) for this source and
+    for the partner: the pass over output gradients makes no reduction over the width, and
+    needs the source's rows only for their rstd, before it, and the norm term, after it.
 
     Source pairs (the source made just before this one, read by these same reads and by others
     not yet run: in full mode the MLP output of the layer before an attention output): with
@@ -399,6 +446,7 @@ def route_source_bwd_kernel(
     in_range = (tok < T)[:, None, None]
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
 
     x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
     rstd = _rstd(x_lo, x_hi, eps, D)
@@ -416,17 +464,14 @@ def route_source_bwd_kernel(
         y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
-        dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 4, 0)
-        lse = tl.load(_address(readers, k, stat0_ptr, 4, 1) + stat_offs, mask=stat_mask, other=float("inf"))
-        total = tl.load(_address(readers, k, stat0_ptr, 4, 2) + stat_offs, mask=stat_mask, other=0.0)
-        gq_ptr = _address(readers, k, stat0_ptr, 4, 3)
-        gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
-        scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
-        acc_lo, acc_hi, norm_sum = _source_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
-                                                 scale, acc_lo, acc_hi, norm_sum)
+        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows)
+        dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
+        acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
+                                                 acc_lo, acc_hi, norm_sum)
         if HAS_PARTNER:
-            y_acc_lo, y_acc_hi, y_norm_sum = _source_terms(y_lo, y_hi, y_rstd, dout_lo, dout_hi, lse, total,
-                                                           gq_lo, gq_hi, scale, y_acc_lo, y_acc_hi, y_norm_sum)
+            dots, p = _load_terms(readers, k, 5, stat0_ptr, T, H, stat_offs, stat_mask)
+            y_acc_lo, y_acc_hi, y_norm_sum = _source_terms(dots, p, y_rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
+                                                           scale, y_acc_lo, y_acc_hi, y_norm_sum)
     norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
     dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
