@@ -34,14 +34,14 @@ ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached 
 _empty = torch.empty  # every output the kernels write is allocated here (tests poison it with NaN)
 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
-# its software-pipelined loop (kernels.py). Forward and site: chosen on one step's reads at every
-# preset (H200, full H = 8; benchmarks/results/sweeps/pipelined_loops.md); with pipelined loops they
-# cut the 1B reads' kernels from 22.3 to 14.0 ms. Source: chosen on the whole step (350M: 0.791x
-# the plain model against 0.748x with two rows per program; 100M and 1B within 0.5 %). Two rows
-# looked faster on the reads alone, which paired no sources then, but a paired launch at two rows
-# spills registers (benchmarks/kernel_resources.py). Check a change on the step
-# (`sweep_launch.py --on-step`) and for spills.
-LAUNCH = {"forward": (1, 2048, 3), "site": (1, 512, 3), "source": (1, 1024, 3), "total": (1, 512)}
+# its software-pipelined loop (kernels.py). Each was chosen by its own GPU time in one step's reads at
+# every preset (H200, full H = 8; benchmarks/results/sweeps/), the reads made as the model makes them
+# (source pairs included). Source: two rows per program share each read's g*q, which the source
+# kernel loads for every read (4 bytes per column, twice its output gradient's row): since it loads
+# the reads' dots and P instead of reducing them, two rows fit without spilling. Site: 640 elements
+# per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms against 4.6 per
+# step. Check a change on the step (`sweep_launch.py --on-step`) and for spills (kernel_resources.py).
+LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
