@@ -20,15 +20,18 @@ A gated read (delta mode) returns residual + gate * mix in one pass: its backwar
 gradient of that sum, scales every term above by the gate, and gives the gate sum_t sum_h S_h.
 The backward is split the way autograd visits the model, so that each byte is read once:
   - `route_site_bwd_kernel` runs when a read's output gradient arrives: one pass over its
-    sources gives S and A (no source gradient is written);
+    sources gives S and A (no source gradient is written), and leaves per source the read's
+    terms, dots_nh and P_nh (fp32, 2H values per token: 1/40 of a 1B source row's bytes);
   - `route_source_bwd_kernel` runs once per source, when every read of it has run its
     backward: one pass over the output gradients of those reads gives the source's whole
-    gradient, summed in fp32 and written once.
+    gradient, summed in fp32 and written once. With the terms loaded, that pass reduces
+    nothing over the width: per read it is two multiply-adds per element.
 Split reads (full mode's attention and MLP reads of one layer, the second taking the first's
 sources and one more) share their passes: `route_fwd_kernel` begins the second read while it
 computes the first (HAS_SECOND) and ends it later from that state (HAS_INIT), and one
 `route_site_bwd_kernel` pass computes both reads' parameter gradients (HAS_SECOND), the second's
-S coming from its output (`route_total_kernel`, run when its output gradient arrives). Source
+S coming from its output (`route_total_kernel`, run when its output gradient arrives, which also
+writes that read's terms for the sources whose source kernels may run before the pair's site kernel). Source
 pairs share the source backward's pass: a source's launch also sums the terms of the source made
 before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER / HAS_INIT).
 Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
