@@ -35,12 +35,13 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
 # its software-pipelined loop (kernels.py). Each was chosen by its own GPU time in one step's reads at
-# every preset (H200, full H = 8; benchmarks/results/sweeps/), the reads made as the model makes them
-# (source pairs included). Source: two rows per program share each read's g*q, which the source
-# kernel loads for every read (4 bytes per column, twice its output gradient's row): since it loads
-# the reads' dots and P instead of reducing them, two rows fit without spilling. Site: 640 elements
-# per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms against 4.6 per
-# step. Check a change on the step (`sweep_launch.py --on-step`) and for spills (kernel_resources.py).
+# every preset (H200, full H = 8; benchmarks/results/sweeps/read_terms.md), the reads made as the
+# model makes them (source pairs included). Source: two rows per program share each read's g*q,
+# which the source kernel loads for every read (4 bytes per column, twice its output gradient's
+# row); at 350M a paired launch spills a little there and is still a third faster than one row.
+# Site: 640 elements per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms
+# against 4.6 per step. Check a change on the step (`sweep_launch.py --on-step`) and for spills
+# (kernel_resources.py).
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512)}
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
@@ -465,19 +466,15 @@ class FusedRoute(torch.autograd.Function):
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        # the output of a plain read is its mix, which gives S (see _site_backward)
-        plain = null_source is None and gate is None
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse, out if plain else None)
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, gate, lse, out = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, lse = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
-        given = (_record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.sources, ctx.table)
-                 if out is not None else None)
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
-                                          null_source, gate, lse, grad_out, given=given)
+                                          null_source, gate, lse, grad_out)
         _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
@@ -495,13 +492,11 @@ class SecondRead(NamedTuple):
 
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
-                   second=None, given=None):
+                   second=None):
     """The site kernel of one read, and given `second` = (query, key-norm weight, SecondRead,
     sources, table) of a split pair's second read, of that read too (whose sources start with
-    this read's). `given`: this read's S and g*q from `_record_totals` (a plain read: the kernel
-    then sums A directly, holding fewer registers), else the kernel computes S.
-    Returns this read's parameter gradients (query, key-norm weight, null source, gate; None
-    where absent), its record, and the second read's two (None without one)."""
+    this read's). Returns this read's parameter gradients (query, key-norm weight, null source,
+    gate; None where absent), its record, and the second read's two (None without one)."""
     num_sources = len(sources)
     q2, g2, later = second[:3] if second is not None else (query, key_norm_weight, None)
     if second is not None:
@@ -515,8 +510,8 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     rows = len(params) + 2 * (second is not None)
     programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
                               * len(sources), 4 * width * rows, device)
-    total, gq = given if given is not None else (_empty((tokens, num_heads), dtype=torch.float32, device=device),
-                                                 _empty((width + 1,), dtype=torch.float32, device=device))
+    total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
+    gq = _empty((width + 1,), dtype=torch.float32, device=device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
     sums_end = rows * programs * width
     partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
@@ -526,7 +521,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         q2, g2, *((later.lse, later.dout, later.total, later.record.terms) if second is not None
                   else (lse, grad_out, total, terms)),
         num_sources, len(sources), tokens, eps,
-        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, HAS_TOTAL=given is not None, **launch,
+        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
@@ -544,20 +539,20 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     return (grads[0], grads[1], dnull, dgate), record, second_grads
 
 
-def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, terms=None, first: int = 0):
-    """S and g*q of a read from its output, which is its mix (route_total_kernel), and given a
-    `terms` buffer, the read's terms of its sources from `first` on (a split pair's second read:
-    the pair's site kernel writes the others)."""
+def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
+    """S, g*q and the terms of the sources from `first` on, of a read from its output
+    (route_total_kernel); the pair's site kernel writes the other terms."""
     width = out.shape[-1]
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
     gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
+    terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        grad_out, out, query, key_norm_weight, total, gq, table, sources[0], total if terms is None else terms, first,
-        0 if terms is None else len(sources), tokens, **launch,
+        grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
+        **launch,
     )
-    return total, gq
+    return total, gq, terms
 
 
 class _Pair:
@@ -606,14 +601,14 @@ class FusedRoutePair(torch.autograd.Function):
         out, lse, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
                                    store_lse=True, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
-        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse, out)
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
         return out, state.acc, state.stat
 
     @staticmethod
     def backward(ctx, grad_out, _acc, _stat):
-        query, key_norm_weight, next_query, next_key_norm_weight, lse, out = ctx.saved_tensors
+        query, key_norm_weight, next_query, next_key_norm_weight, lse = ctx.saved_tensors
         later, pair = ctx.pair.second, ctx.pair
         pair.second = None
         if later is not None and later.task != torch._C._current_graph_task_id():
@@ -622,9 +617,8 @@ class FusedRoutePair(torch.autograd.Function):
             grad_out = torch.zeros_like(ctx.sources[0])
         (grad_out,) = _aligned((grad_out,))
         second = (next_query, next_key_norm_weight, later, pair.sources, pair.table) if later is not None else None
-        given = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.sources, ctx.table)
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
-                                                     key_norm_weight, None, None, lse, grad_out, second, given)
+                                                     key_norm_weight, None, None, lse, grad_out, second)
         _leave(ctx.marks, record)
         return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
 
@@ -654,10 +648,8 @@ class FusedRouteEnd(torch.autograd.Function):
         (grad_out,) = _aligned((grad_out,))
         # the terms of the sources whose source kernels may run before the pair's site kernel: those
         # the first read does not take, and the partner of the earliest (the first read's last)
-        sources = ctx.pair.sources
-        terms = _empty((len(sources), 2, *lse.shape), dtype=torch.float32, device=out.device)
-        total, gq = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, sources, ctx.pair.table,
-                                   terms, max(ctx.begun - 1, 0))
+        total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
+                                          ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
         record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
         _leave(ctx.marks, record)

@@ -223,7 +223,7 @@ def route_site_bwd_kernel(
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
     q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
     num_sources, num_second, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, HAS_TOTAL: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -236,9 +236,7 @@ def route_site_bwd_kernel(
     <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
     reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
     One pass: A = sum_n w (P - S) rstd x is gathered as sum_n w P rstd x - S * sum_n w rstd x,
-    since S is only known at the end; with HAS_TOTAL, S and g*q come given (route_total_kernel,
-    from the read's output: an ungated read without a null source) and A is summed directly,
-    into the program's partial sums, with no [T, D] sums per token. With a gate, `dout_ptr` is the gradient of
+    since S is only known at the end. With a gate, `dout_ptr` is the gradient of
     residual + gate * mix: every term is computed for the mix and scaled by the gate once, and
     the gate's gradient is sum_t sum_h S_h = sum_t <dout, mix>.
 
@@ -247,7 +245,6 @@ def route_site_bwd_kernel(
     S (`total2`) is known already, from its output (route_total_kernel), so A2 = sum_n w (P - S)
     rstd x is summed directly; its query's and key-norm weight's partials follow this read's, and
     its terms go to `terms2`."""
-    tl.static_assert(not (HAS_TOTAL and (HAS_NULL or HAS_GATE)), "S is given only for ungated reads without a null")
     pid = tl.program_id(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -256,7 +253,7 @@ def route_site_bwd_kernel(
         scale = tl.load(gate_ptr).to(tl.float32)
     else:
         scale = tl.full((), 1.0, tl.float32)
-    if pid == 0 and not HAS_TOTAL:
+    if pid == 0:
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
         tl.store(gq_ptr + D, scale)
@@ -290,14 +287,11 @@ def route_site_bwd_kernel(
             lse2 = tl.load(lse2_ptr + stat_offs, mask=stat_mask, other=float("inf"))
             total2 = tl.load(total2_ptr + stat_offs, mask=stat_mask, other=0.0)
 
-        if HAS_TOTAL:
-            total = tl.load(total_ptr + stat_offs, mask=stat_mask, other=0.0)
-        else:
-            total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-            wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w P rstd x
-            wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-            w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
-            w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+        wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w P rstd x
+        wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
+        w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
@@ -305,17 +299,12 @@ def route_site_bwd_kernel(
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
-            if HAS_TOTAL:
-                dlogit_rstd = (w_rstd * (p - total))[:, :, None]
-                dkey_lo += tl.sum(dlogit_rstd * x_lo, 0)
-                dkey_hi += tl.sum(dlogit_rstd * x_hi, 0)
-            else:
-                total += w * p
-                wp = (w_rstd * p)[:, :, None]
-                wp_x_lo += wp * x_lo
-                wp_x_hi += wp * x_hi
-                w_x_lo += w_rstd[:, :, None] * x_lo
-                w_x_hi += w_rstd[:, :, None] * x_hi
+            total += w * p
+            wp = (w_rstd * p)[:, :, None]
+            wp_x_lo += wp * x_lo
+            wp_x_hi += wp * x_hi
+            w_x_lo += w_rstd[:, :, None] * x_lo
+            w_x_hi += w_rstd[:, :, None] * x_hi
             if HAS_SECOND:
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
                 p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
@@ -337,10 +326,9 @@ def route_site_bwd_kernel(
             dnull_hi += tl.sum(tl.where(in_range, dx_hi, 0.0), 0)
             dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
             dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
-        if not HAS_TOTAL:
-            dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
-            dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
-            tl.store(total_ptr + stat_offs, total, mask=stat_mask)
+        dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
+        dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
+        tl.store(total_ptr + stat_offs, total, mask=stat_mask)
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
