@@ -365,6 +365,7 @@ class ReadRecord:
 
 
 def _leave(marks, record: ReadRecord) -> None:
+    """A read's record left with each mark it read, with that source's position in the read."""
     for mark, position in marks:
         mark.records.append((record, position))
 
@@ -480,21 +481,10 @@ class FusedRoute(torch.autograd.Function):
         return None, None, None, None, *grads, dresidual, None
 
 
-class SecondRead(NamedTuple):
-    """The second read of a split pair, as its backward leaves it for the pair's site kernel
-    (which writes its record's terms)."""
-
-    task: int
-    dout: torch.Tensor
-    lse: torch.Tensor
-    total: torch.Tensor
-    record: ReadRecord
-
-
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
                    second=None):
-    """The site kernel of one read, and given `second` = (query, key-norm weight, SecondRead,
-    sources, table) of a split pair's second read, of that read too (whose sources start with
+    """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
+    sources, table) of a split pair's second read (whose terms it writes), of that read too (whose sources start with
     this read's). Returns this read's parameter gradients (query, key-norm weight, null source,
     gate; None where absent), its record, and the second read's two (None without one)."""
     num_sources = len(sources)
@@ -518,7 +508,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     kernels.route_site_bwd_kernel[(programs,)](
         table, first, null_source if has_null else query, query, key_norm_weight,
         gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
-        q2, g2, *((later.lse, later.dout, later.total, later.record.terms) if second is not None
+        q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
                   else (lse, grad_out, total, terms)),
         num_sources, len(sources), tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, **launch,
@@ -653,7 +643,7 @@ class FusedRouteEnd(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
         _leave(ctx.marks, record)
-        ctx.pair.second = SecondRead(task, grad_out, lse, total, record)
+        ctx.pair.second = record
         return (None,) * 9
 
 
