@@ -354,7 +354,8 @@ class ReadRecord:
     __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
 
     def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
-        self.task, self.dout, self.lse, self.total, self.gq, self.terms, self.eps = task, dout, lse, total, gq, terms, eps
+        self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
+        self.eps = eps
         self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
         self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
 
@@ -484,9 +485,10 @@ class FusedRoute(torch.autograd.Function):
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
                    second=None):
     """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
-    sources, table) of a split pair's second read (whose terms it writes), of that read too (whose sources start with
-    this read's). Returns this read's parameter gradients (query, key-norm weight, null source,
-    gate; None where absent), its record, and the second read's two (None without one)."""
+    sources, table) of a split pair's second read, of that read too (whose sources start with
+    this read's; the kernel writes that record's terms). Returns this read's parameter gradients
+    (query, key-norm weight, null source, gate; None where absent), its record, and the second
+    read's two (None without one)."""
     num_sources = len(sources)
     q2, g2, later = second[:3] if second is not None else (query, key_norm_weight, None)
     if second is not None:
@@ -530,8 +532,8 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
 
 
 def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
-    """S, g*q and the terms of the sources from `first` on, of a read from its output
-    (route_total_kernel); the pair's site kernel writes the other terms."""
+    """S, g*q and the terms of the sources from `first` on, of a split pair's second read, from
+    its output (route_total_kernel); the pair's site kernel writes every source's terms later."""
     width = out.shape[-1]
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)

@@ -31,8 +31,8 @@ sources and one more) share their passes: `route_fwd_kernel` begins the second r
 computes the first (HAS_SECOND) and ends it later from that state (HAS_INIT), and one
 `route_site_bwd_kernel` pass computes both reads' parameter gradients (HAS_SECOND), the second's
 S coming from its output (`route_total_kernel`, run when its output gradient arrives, which also
-writes that read's terms for the sources whose source kernels may run before the pair's site kernel). Source
-pairs share the source backward's pass: a source's launch also sums the terms of the source made
+writes that read's terms for the sources whose source kernels may run before the pair's site
+kernel). Source pairs share the source backward's pass: a source's launch also sums the terms of the source made
 before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER / HAS_INIT).
 Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
 with deterministic reductions.
@@ -380,8 +380,8 @@ def route_total_kernel(
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-        _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask,
-                     _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]), _head_dots(dout_lo, dout_hi, x_lo, x_hi))
+        dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+        _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi))
     if tl.program_id(0) == 0:
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
@@ -404,7 +404,7 @@ def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in
 
 @triton.jit
 def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, stat_offs, stat_mask):
-    """The dots and P a read's site kernel wrote for one source (entry FIELD of row k)."""
+    """The dots and P a read's site (or total) kernel wrote for one source (entry FIELD of row k)."""
     block = _address(readers, k, stat0_ptr, 6, FIELD)
     return (tl.load(block + stat_offs, mask=stat_mask, other=0.0),
             tl.load(block + T * H + stat_offs, mask=stat_mask, other=0.0))
