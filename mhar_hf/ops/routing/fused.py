@@ -88,12 +88,14 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     to fill every multiprocessor with warps (memory latency is hidden by many loads in flight),
     but no more than keep those partials under an eighth of the bytes the read's sources hold
     (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms
-    per step went to writing and summing them)."""
+    per step went to writing and summing them), and never fewer than 4 per multiprocessor: with
+    one, a read of few sources left its loads' latency bare (1B delta, H200: 2.77 ms of site
+    kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with 8)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
     by_bytes = source_bytes // (8 * partial_bytes)
-    return min(token_blocks, 16 * multiprocessors, max(by_bytes, multiprocessors))
+    return min(token_blocks, 16 * multiprocessors, max(by_bytes, 4 * multiprocessors))
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
