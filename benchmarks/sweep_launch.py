@@ -2,8 +2,9 @@
 
     python benchmarks/sweep_launch.py --presets 100M 350M
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
+    python benchmarks/sweep_launch.py --presets 1B --mode block --kinds site_few
 
-For full mode (H = 8) at each preset's micro-batch, every (token rows per program, tile elements
+For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows per program, tile elements
 per warp, pipeline stages) choice of one kernel is timed by that kernel's own GPU time in one
 step's reads (forward + backward), the other kernels at their shape in
 `mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
@@ -17,30 +18,44 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from bench_train import MICRO_BATCH, build, compile_regions, copy_bandwidth, release, time_routing, time_training
-from mhar_hf import MHARConfig
+import torch
+
+from bench_train import (MICRO_BATCH, build, compile_regions, copy_bandwidth, record_routing_sites, release,
+                         time_routing, time_training)
+from mhar_hf import MHARConfig, MHARForCausalLM
 from mhar_hf.ops.routing import fused
 
 CHOICES = {  # (token rows per program, padded elements per warp, pipeline stages)
     "forward": list(itertools.product((1, 2), (512, 1024, 2048), (2, 3))),
     "site": list(itertools.product((1, 2), (256, 512, 1024), (2, 3))),
     "source": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (2, 3))),
+    "site_few": list(itertools.product((1, 2, 4), (320, 640, 1280), (2, 3))),
 }
 
 
-KERNEL = {"forward": "route_fwd_kernel", "site": "route_site_bwd_kernel", "source": "route_source_bwd_kernel"}
+KERNEL = {"forward": "route_fwd_kernel", "site": "route_site_bwd_kernel", "source": "route_source_bwd_kernel",
+          "site_few": "route_site_bwd_kernel"}
 
 
-def full_mode_sites(layers: int) -> list[tuple[int, str]]:
-    """(sources, role) per multi-source read of a full-mode model, as `bench_train.time_routing`
-    takes them: the MLP read of layer 0, the split pair of every later layer, the final read."""
-    pairs = [site for i in range(1, layers) for site in ((2 * i + 1, "begin"), (2 * i + 2, "end"))]
-    return [(2, "whole"), *pairs, (2 * layers + 1, "whole")]
+def model_sites(preset: str, mode: str) -> list[tuple[int, str]]:
+    """(sources, role) per multi-source read of the preset's model in `mode` (H = 8), as
+    `bench_train.time_routing` takes them, recorded from one forward of a narrow copy (same
+    depth and blocks, which alone decide the reads) on the fused path, which alone splits reads."""
+    config = MHARConfig.from_preset(preset, residual_mode=mode, residual_heads=8, routing_implementation="fused",
+                                    hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=64)
+    with torch.device("cuda"):
+        model = MHARForCausalLM(config)
+        sites = record_routing_sites(model)
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    return sites
 
 
 def step_ms(preset: str, mode: str = "full") -> float:
-    """One training step with the whole step in a CUDA graph: MHAR full H = 8 as bench_train's
-    fused+graph, or with mode="standard" the plain model as its compiled+graph baseline."""
+    """One training step with the whole step in a CUDA graph: MHAR (H = 8) in `mode` as
+    bench_train's fused+graph, or with mode="standard" the plain model as its compiled+graph
+    baseline."""
     batch, seq = MICRO_BATCH[preset]
     plain = mode == "standard"
     model = build(preset, mode, 8, "reference" if plain else "fused")
@@ -62,7 +77,8 @@ def parse_choice(text: str) -> tuple[int, int, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["100M", "350M"], choices=list(MICRO_BATCH))
-    parser.add_argument("--kinds", nargs="+", default=list(CHOICES), choices=list(CHOICES))
+    parser.add_argument("--mode", default="full", choices=["full", "block", "delta"])
+    parser.add_argument("--kinds", nargs="+", default=["forward", "site", "source"], choices=list(CHOICES))
     parser.add_argument("--choices", nargs="+", type=parse_choice, metavar="ROWS,PER_WARP,STAGES",
                         help="try only these shapes (for every kind swept)")
     parser.add_argument("--on-step", action="store_true",
@@ -73,7 +89,7 @@ def main():
     for preset in args.presets:
         config = MHARConfig.from_preset(preset)
         batch, seq = MICRO_BATCH[preset]
-        sites = full_mode_sites(config.num_hidden_layers)
+        sites = model_sites(preset, args.mode)
         plain = step_ms(preset, "standard") if args.on_step else None
         if plain is not None:
             print(f"{preset} plain compiled+graph step: {plain:.3f} ms", flush=True)
@@ -83,9 +99,9 @@ def main():
                 fused.LAUNCH[kind] = choice
                 fused._kernel_args.cache_clear()
                 if args.on_step:
-                    timings.append((step_ms(preset), choice))
+                    timings.append((step_ms(preset, args.mode), choice))
                     continue
-                figures = time_routing(sites, False, batch * seq, config.hidden_size, 8, bandwidth)
+                figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
                 timings.append((figures["fwd_bwd_kernels_ms"][KERNEL[kind]], choice))
             fused.LAUNCH[kind] = defaults[kind]
             fused._kernel_args.cache_clear()

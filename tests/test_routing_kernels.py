@@ -90,9 +90,11 @@ def test_forward_and_every_gradient_match_fp64_reference(n, width, heads, tokens
 
 @pytest.mark.skipif(not GPU, reason="autotuned launches (large token counts) run on the GPU only")
 @pytest.mark.parametrize("heads", [8, 1])
-def test_tuned_launch_at_training_size(heads):
-    sources, query, norm_weight, null_source = routing_inputs(6, 1280, 2048, dtype=torch.bfloat16, null=True)
-    grad_out = torch.randn(1, 2048, 1280, device=DEVICE)
+@pytest.mark.parametrize("n", [6, fused.FEW_SOURCES + 4])  # the launch shapes of few and of many sources
+def test_tuned_launch_at_training_size(heads, n):
+    sources, query, norm_weight, null_source = routing_inputs(n, 1280, 2048, dtype=torch.bfloat16, null=True)
+    # the gradient the kernels get, bf16, is the reference's too: P - S cancels, which magnifies a difference
+    grad_out = torch.randn(1, 2048, 1280, device=DEVICE).bfloat16()
     out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
     ref, ref_grads = forward_and_grads(
         route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), heads, grad_out
@@ -115,6 +117,23 @@ def test_16_bit_sources_under_the_interpreter(dtype):
     assert out.dtype == dtype and rel_rms(out, ref) < TOLERANCE[dtype]
     for grad, expected in zip(grads, ref_grads, strict=True):
         assert grad.dtype == dtype and rel_rms(grad, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not GPU, reason="address tables pass through pinned host memory on CUDA only")
+def test_reads_under_a_cuda_default_device(monkeypatch):
+    """A model used under `with torch.device("cuda")`: its reads' host-side tables stay on the host."""
+    monkeypatch.setattr(fused, "_staging", {})
+    monkeypatch.setattr(fused, "_tables", fused.OrderedDict())
+    sources, query, norm_weight, null_source = routing_inputs(3, 64, 9, null=True)
+    grad_out = torch.randn(1, 9, 64, device=DEVICE)
+    with torch.device("cuda"):
+        out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, 4, grad_out)
+    ref, ref_grads = forward_and_grads(
+        route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), 4, grad_out
+    )
+    assert rel_rms(out, ref) < TOLERANCE[torch.float32]
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        assert rel_rms(grad, expected) < TOLERANCE[torch.float32]
 
 
 def test_single_source_is_returned_unchanged():
@@ -613,7 +632,7 @@ def test_kernels_compile_for_sm90():
                      HAS_PARTNER=True)
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
-                        kernels.route_total_kernel)
+                        kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
             compile_kernel(kernel, flags, width, heads, rows, warps)
         print("compiled")

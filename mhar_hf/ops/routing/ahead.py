@@ -8,18 +8,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .fused import _tile
+from .fused import PARTIALS_TILE, _tile
 
 # the type of every kernel argument that is not a constexpr, by name (sources and outputs as bf16)
 ARGUMENT_TYPES = dict(
     table="*i64", readers="*i64", num_sources="i32", num_second="i32", num_readers="i32", first="i32", T="i32",
-    eps="fp32",
+    programs="i32", eps="fp32",
     **dict.fromkeys(("src0_ptr", "src_ptr", "null_ptr", "q_ptr", "g_ptr", "gate_ptr", "residual_ptr", "out_ptr",
                      "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr",
-                     "partner_ptr"), "*bf16"),
+                     "partner_ptr", "dgate_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
-                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr"), "*fp32"),
+                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr"), "*fp32"),
 )
 
 
@@ -27,7 +27,9 @@ def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps
                    capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
     (the HAS_* constexprs; those it does not take are ignored), tile and launch shape."""
-    constants = {**flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages}
+    block_p, block_d = PARTIALS_TILE
+    constants = {**flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages, "BLOCK_P": block_p,
+                 "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32),

@@ -42,7 +42,13 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Site: 640 elements per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms
 # against 4.6 per step. Check a change on the step (`sweep_launch.py --on-step`) and for spills
 # (kernel_resources.py).
-LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512)}
+# Ungated reads of few sources (block mode, full mode's first layers) take their own site shape:
+# two token rows per program, half the warps per row (1B block: 1.46 to 1.37 ms of site kernel per
+# step, 100M 1.18 to 0.90; delta mode's gated reads were slower so: 1B 1.46 to 2.43 ms).
+LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512),
+          "site_few": (2, 1280, 3)}
+FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
+PARTIALS_TILE = (32, 64)  # route_partials_kernel: partial rows per load, columns per program
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -121,20 +127,25 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     return None
 
 
+def _host(addresses: Sequence[int]) -> torch.Tensor:
+    """Addresses as an int64 tensor in host memory, also under a `torch.device("cuda")` context."""
+    return torch.tensor(addresses, dtype=torch.int64, device="cpu")
+
+
 class _PinnedStaging:
     """The host side of address-table uploads: one pinned buffer used in two halves, so a table
     the cache does not hold costs a small asynchronous copy, never a pinned allocation (which can
     take milliseconds) nor a pageable copy (which waits for the GPU to drain its queue)."""
 
     def __init__(self, entries: int = 1 << 17):
-        self.buffer = torch.empty(2 * entries, dtype=torch.int64, pin_memory=True)
+        self.buffer = torch.empty(2 * entries, dtype=torch.int64, device="cpu", pin_memory=True)
         self.half, self.offset, self.side = entries, 0, 0
         self.done = [None, None]  # per half: an event after its last copy
 
     def upload(self, addresses: Sequence[int], device) -> torch.Tensor:
         count = len(addresses)
         if count > self.half:
-            return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+            return _host(addresses).pin_memory().to(device, non_blocking=True)
         if self.offset + count > self.half:  # switch halves; the other one's copies must have run
             self.done[self.side] = torch.cuda.Event()
             self.done[self.side].record()
@@ -167,10 +178,10 @@ def _upload(addresses: Sequence[int], device) -> torch.Tensor:
     again, so that buffer gets its own pinned memory, kept for the life of the process, instead
     of a slot of the staging buffer that later uploads rewrite."""
     if device.type != "cuda":
-        return torch.tensor(addresses, dtype=torch.int64)
+        return _host(addresses)
     with torch.cuda.device(device):
         if _capturing(device):
-            host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+            host = _host(addresses).pin_memory()
             _captured_hosts.append(host)
             return host.to(device, non_blocking=True)
         return _staging.setdefault(device, _PinnedStaging()).upload(addresses, device)
@@ -498,7 +509,8 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     first = sources[0]
     width, device = first.shape[-1], first.device
     tokens = first.numel() // width
-    launch = _kernel_args("site", width, num_heads)
+    few = gate is None and len(sources) <= FEW_SOURCES
+    launch = _kernel_args("site_few" if few else "site", width, num_heads)
     has_null, has_gate = null_source is not None, gate is not None
     params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
     rows = len(params) + 2 * (second is not None)
@@ -519,18 +531,26 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
-    # one deterministic reduction of the per-program partials, and few small ops after it:
-    # each costs the host more than the GPU
-    sums = partials[:sums_end].view(rows, programs, width).sum(1)
     params += (q2, g2) if second is not None else ()
-    if len({p.dtype for p in params}) == 1:
-        grads = list(sums.to(query.dtype).unbind(0))
-    else:
-        grads = [row.to(p.dtype) for row, p in zip(sums, params)]
+    grads, dgate = _sum_partials(partials, rows, programs, width, params, gate)
     second_grads = (grads.pop(), grads.pop())[::-1] if second is not None else None
     dnull = grads[2] if has_null else None
-    dgate = partials[sums_end:].sum(0, keepdim=True).to(gate.dtype) if has_gate else None
     return (grads[0], grads[1], dnull, dgate), record, second_grads
+
+
+def _sum_partials(partials, rows: int, programs: int, width: int, params, gate):
+    """The gradients of `params` (one per row of the site kernel's partial sums) and of `gate`
+    (None without one), from one route_partials_kernel launch (torch's strided sum, its cast and
+    the gate's sum and cast took four per delta read: 1.2 ms of a 1B step)."""
+    mixed = len({p.dtype for p in params}) > 1
+    sums = _empty((rows, width), dtype=torch.float32 if mixed else params[0].dtype, device=partials.device)
+    dgate = _empty((1,), dtype=gate.dtype, device=partials.device) if gate is not None else sums
+    block_p, block_d = PARTIALS_TILE
+    kernels.route_partials_kernel[(rows + (gate is not None), triton.cdiv(width, block_d))](
+        partials, sums, dgate, programs, D=width, HAS_GATE=gate is not None, BLOCK_P=block_p, BLOCK_D=block_d,
+    )
+    grads = [row.to(p.dtype) for row, p in zip(sums, params)] if mixed else list(sums.unbind(0))
+    return grads, (dgate if gate is not None else None)
 
 
 def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):

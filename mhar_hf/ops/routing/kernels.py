@@ -231,7 +231,8 @@ def route_site_bwd_kernel(
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
     so the source kernel never touches the parameters, which FSDP may have freed by then), and
     each program's partial sums of the query's, the key-norm weight's and the null source's
-    gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]).
+    gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]),
+    which route_partials_kernel sums.
     Per source it also writes the read's terms (`terms`, fp32 [sources, 2, T, H]: the dots
     <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
     reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
@@ -354,6 +355,36 @@ def route_site_bwd_kernel(
         tl.store(partial_ptr + second + row + col_hi, dkey2_hi * q2_hi, mask=mask_hi)
     if HAS_GATE:
         tl.store(partial_ptr + (2 + HAS_NULL + 2 * HAS_SECOND) * row + pid, tl.sum(tl.sum(dgate, 1), 0))
+
+
+@triton.jit
+def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs,
+                          D: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The parameter gradients from route_site_bwd_kernel's per-program partial sums, each summed
+    in one fixed order (deterministic) and written in the output's dtype: program (r, c) sums
+    columns [c * BLOCK_D, (c + 1) * BLOCK_D) of row r of the [rows, programs, D] partials into
+    out [rows, D]; with HAS_GATE, row `rows` (the grid's last) sums the gate's [programs] partials
+    that follow them into dgate. One launch for what would be a strided reduction and a cast
+    per parameter."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    if HAS_GATE:
+        gate_row = row == tl.num_programs(0) - 1
+    else:
+        gate_row = row < 0
+    # the gate's row: one value per program, so the blocks past the first load and store nothing
+    stride, width = tl.where(gate_row, 1, D), tl.where(gate_row, 1, D)
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    base = partials_ptr + row.to(tl.int64) * programs * D
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < programs)[:, None] & (cols < width)[None, :]
+        acc += tl.load(base + p[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, 0)
+    if gate_row:
+        tl.store(dgate_ptr + cols, total.to(dgate_ptr.dtype.element_ty), mask=cols < 1)
+    else:
+        tl.store(out_ptr + row * D + cols, total.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
