@@ -48,7 +48,11 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512),
           "site_few": (2, 1280, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
-PARTIALS_TILE = (32, 64)  # route_partials_kernel: partial rows per load, columns per program
+# route_partials_kernel: partial rows per load and columns per program. Few columns per program
+# give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
+# 16 x SM partials per column; 32 bytes per row is one memory sector.
+PARTIALS_TILE = (1024, 8)
+PARTIALS_WARPS = 8
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -545,9 +549,10 @@ def _sum_partials(partials, rows: int, programs: int, width: int, params, gate):
     mixed = len({p.dtype for p in params}) > 1
     sums = _empty((rows, width), dtype=torch.float32 if mixed else params[0].dtype, device=partials.device)
     dgate = _empty((1,), dtype=gate.dtype, device=partials.device) if gate is not None else sums
-    block_p, block_d = PARTIALS_TILE
+    block_p, block_d = PARTIALS_TILE if not _interpreted() else (32, 64)  # the interpreter: few programs
     kernels.route_partials_kernel[(rows + (gate is not None), triton.cdiv(width, block_d))](
         partials, sums, dgate, programs, D=width, HAS_GATE=gate is not None, BLOCK_P=block_p, BLOCK_D=block_d,
+        num_warps=PARTIALS_WARPS,
     )
     grads = [row.to(p.dtype) for row, p in zip(sums, params)] if mixed else list(sums.unbind(0))
     return grads, (dgate if gate is not None else None)
