@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from mhar_hf import MHARConfig, MHARForCausalLM  # noqa: E402
 from mhar_hf.ops.routing import fused  # noqa: E402
 
-KERNELS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel")
+KERNELS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel",
+           "route_partials_kernel")
 
 
 class NoLaunch:

@@ -37,6 +37,7 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("site", "whole", kernels.route_site_bwd_kernel, {}),
     ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),
     ("site", "gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True)),
+    ("site_few", "whole", kernels.route_site_bwd_kernel, {}),
     ("source", "alone", kernels.route_source_bwd_kernel, {}),
     ("source", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),

@@ -34,8 +34,8 @@ S coming from its output (`route_total_kernel`, run when its output gradient arr
 writes that read's terms for the sources whose source kernels may run before the pair's site
 kernel). Source pairs share the source backward's pass: a source's launch also sums the terms of the source made
 before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER / HAS_INIT).
-Nothing is accumulated with atomics: partial sums are per program, and the caller sums them
-with deterministic reductions.
+Nothing is accumulated with atomics: partial sums are per program, and `route_partials_kernel`
+sums them in a fixed order.
 """
 
 import triton
