@@ -4,9 +4,9 @@
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
     python benchmarks/sweep_launch.py --presets 1B --mode block --kinds site_few
 
-For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows per program, tile elements
-per warp, pipeline stages) choice of one kernel is timed by that kernel's own GPU time in one
-step's reads (forward + backward), the other kernels at their shape in
+For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows
+per program, tile elements per warp, pipeline stages) choice of one kernel is timed by that
+kernel's own GPU time in one step's reads (forward + backward), the other kernels at their shape in
 `mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
 (`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
 the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that

@@ -371,15 +371,16 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs,
         gate_row = row == tl.num_programs(0) - 1
     else:
         gate_row = row < 0
-    # the gate's row: one value per program, so the blocks past the first load and store nothing
-    stride, width = tl.where(gate_row, 1, D), tl.where(gate_row, 1, D)
+    # a row's width, and the stride between its programs' partials: the gate has one value per
+    # program, so its blocks past the first load and store nothing
+    width = tl.where(gate_row, 1, D)
     cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
     base = partials_ptr + row.to(tl.int64) * programs * D
     acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < programs)[:, None] & (cols < width)[None, :]
-        acc += tl.load(base + p[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+        acc += tl.load(base + p[:, None] * width + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, 0)
     if gate_row:
         tl.store(dgate_ptr + cols, total.to(dgate_ptr.dtype.element_ty), mask=cols < 1)
