@@ -34,15 +34,18 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_SECOND=True)),
     ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_INIT=True)),
     ("forward", "gated, null", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True)),
+    ("forward", "grouped, gated", kernels.route_fwd_kernel,
+     dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
     ("site", "whole", kernels.route_site_bwd_kernel, {}),
     ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),
     ("site", "gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True)),
+    ("site", "grouped, gated", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
     ("site_few", "whole", kernels.route_site_bwd_kernel, {}),
     ("source", "alone", kernels.route_source_bwd_kernel, {}),
     ("source", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
 ]
-FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER")
+FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED")
 
 
 def cuobjdump() -> str:

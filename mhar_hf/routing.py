@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -73,9 +74,9 @@ def route_reference(
 
     `null_source` (a `[d]` vector) is prepended as source 0. Statistics, logits, softmax and
     mix run in fp32; the result has the sources' dtype. One source is returned unchanged.
-    A delta-mode site passes `gate` (shape `(1,)`) and `residual` (the stream, shaped like a
-    source) and gets `residual + gate * mix`, computed in fp32 and rounded once to the dtype
-    torch promotes the three to.
+    A gated (delta-mode) read passes `gate` (shape `(1,)`) and gets `gate * mix`, or with
+    `residual` (a stream shaped like a source) `residual + gate * mix`, computed in fp32 and
+    rounded once to the dtype torch promotes them to.
     """
     check_gated(gate, residual)
     sources = _with_null_source(sources, null_source)
@@ -90,19 +91,30 @@ def route_reference(
         return mixed.to(sources[0].dtype)
     dtype = gated_dtype(gate, residual, sources[0].dtype)
     math = torch.promote_types(dtype, torch.float32)
-    return (residual.to(math) + gate.to(math) * mixed.to(math)).to(dtype)
+    gated = gate.to(math) * mixed.to(math)
+    return (gated if residual is None else residual.to(math) + gated).to(dtype)
 
 
 def check_gated(gate: torch.Tensor | None, residual: torch.Tensor | None) -> None:
-    if (gate is None) != (residual is None):
-        raise ValueError("a gated read needs both `gate` and `residual` (the stream it is added to), or neither")
+    if residual is not None and gate is None:
+        raise ValueError("`residual` is the stream a gated read adds to: pass the read's `gate` with it")
     if gate is not None and gate.numel() != 1:
         raise ValueError(f"the gate is one number (shape (1,)); got shape {tuple(gate.shape)}")
 
 
-def gated_dtype(gate: torch.Tensor, residual: torch.Tensor, mix_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of `residual + gate * mix` under torch's promotion rules."""
-    return torch.promote_types(torch.promote_types(residual.dtype, gate.dtype), mix_dtype)
+def gated_dtype(gate: torch.Tensor, residual: torch.Tensor | None, mix_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of `gate * mix` (plus `residual`) under torch's promotion rules."""
+    dtype = torch.promote_types(gate.dtype, mix_dtype)
+    return dtype if residual is None else torch.promote_types(residual.dtype, dtype)
+
+
+class Read(NamedTuple):
+    """One read's routing parameters, for `route_group`."""
+
+    query: torch.Tensor
+    key_norm_weight: torch.Tensor
+    null_source: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
 
 
 def resolve_implementation(requested: str) -> str:
@@ -172,6 +184,28 @@ def route_and_start(
     return route_reference(sources, query, key_norm_weight, num_heads, eps), None
 
 
+def route_group(
+    sources: Sequence[torch.Tensor],
+    reads: Sequence[Read],
+    num_heads: int,
+    eps: float,
+    implementation: str = "auto",
+) -> tuple[torch.Tensor, ...]:
+    """Several reads of the same `sources`, one per `Read`: `route(sources, *read, ...)` each,
+    a gated read giving `gate * mix` (its caller adds the stream). Delta mode's reads between
+    two block boundaries all take the same blocks. On the fused path one launch computes every
+    read, reading each source from memory once, and one launch gives their parameters'
+    gradients; the reads must then agree on having a null source and a gate."""
+    kernels = _kernels_for(implementation, sources[0]) if sources else None
+    if kernels is not None:
+        reason = kernels.group_unsupported_reason(sources, reads, num_heads)
+        if reason is None:
+            return kernels.fused_route_group(sources, reads, num_heads, eps)
+        _warn_once(f"{reason}; using the reference routing op for this call.")
+    return tuple(route_reference(sources, read.query, read.key_norm_weight, num_heads, eps, read.null_source, read.gate)
+                 for read in reads)
+
+
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:
     """Mark a tensor that routing reads will use, where it is made (a depth source); `after` is
     the depth source made just before it (None for the first).
@@ -206,7 +240,7 @@ def _warn_once(message: str) -> None:
 
 
 def _fused_kernels(required: bool):
-    """The fused kernels module (`fused_route`, `track`, `unsupported_reason`), or None when not installed."""
+    """The fused kernels module (`fused_route`, `fused_route_group`, `track`, ...), or None when not installed."""
     try:
         from mhar_hf.ops import routing as kernels
     except ImportError:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, track
-from mhar_hf.routing import route, route_reference
+from mhar_hf.routing import Read, route, route_group, route_reference
 from mhar_hf.tiny import tiny_config
 
 EPS = 1e-6
@@ -239,12 +239,67 @@ def test_closed_gate_returns_the_residual_bit_for_bit(dtype):
     assert rel_rms(dgate, ref_grads[-2]) < TOLERANCE[dtype]
 
 
-def test_a_gated_read_needs_its_residual():
+def test_a_residual_needs_a_gate():
     sources, query, norm_weight, null = routing_inputs(2, 64, 5, null=True)
-    with pytest.raises(ValueError, match="both `gate` and `residual`"):
-        fused_route(sources, query, norm_weight, 4, EPS, null, gate=torch.ones(1))
+    with pytest.raises(ValueError, match="pass the read's `gate`"):
+        fused_route(sources, query, norm_weight, 4, EPS, null, residual=sources[0])
     with pytest.raises(ValueError, match="shape \\(1,\\)"):
         route_reference(sources, query, norm_weight, 4, EPS, null, torch.ones(2), sources[0])
+
+
+GROUP_SHAPES = [  # (sources, width, heads, tokens, batch, reads, gated)
+    pytest.param(3, 320, 2, 9, 2, 3, True, id="gated-head-width-160"),
+    pytest.param(4, 36, 12, 13, 1, 5, True, id="gated-H=12"),
+    pytest.param(1, 64, 1, 37, 1, 2, True, id="gated-one-source-plus-null-H=1"),
+    pytest.param(2, 64, 4, 21, 1, 1, True, id="gated-one-read"),
+    pytest.param(5, 200, 2, 7, 1, 3, False, id="ungated-head-width-100"),
+]
+
+
+def group_inputs(n, width, tokens, batch, reads, gated, dtype):
+    """Sources and, per read, its own query, key-norm weight (and null source and gate)."""
+    sources, *_ = routing_inputs(n, width, tokens, batch, dtype)
+    params = []
+    for r in range(reads):
+        _, query, norm_weight, null = routing_inputs(r + 2, width, tokens, batch, dtype, null=gated)
+        gate = (torch.randn(1, generator=torch.Generator().manual_seed(r)) + 0.5).to(DEVICE, dtype)
+        params.append((query, norm_weight, null, gate) if gated else (query, norm_weight))
+    return sources, params
+
+
+def group_reads_and_grads(sources, params, heads, grad_outs, implementation):
+    sources = [s.detach().clone().requires_grad_() for s in sources]
+    params = [[t.detach().clone().requires_grad_() for t in read] for read in params]
+    outs = route_group(sources, [Read(*read) for read in params], heads, EPS, implementation)
+    loss = sum((out * g.to(out.dtype)).sum() for out, g in zip(outs, grad_outs, strict=True))
+    wrt = [*sources, *(t for read in params for t in read)]
+    return outs, torch.autograd.grad(loss, wrt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, width, heads, tokens, batch, reads, gated", GROUP_SHAPES)
+def test_grouped_reads_and_every_gradient_match_fp64_reference(spies, n, width, heads, tokens, batch, reads, gated,
+                                                               dtype):
+    """Reads of the same sources in one launch (delta mode's reads between block boundaries,
+    each `gate * mix`): every output and the gradients of the sources and of every read's
+    query, key-norm weight, null source and gate against fp64 reads one at a time."""
+    sources, params = group_inputs(n, width, tokens, batch, reads, gated, dtype)
+    grad_outs = [torch.randn(batch, tokens, width, device=DEVICE) for _ in range(reads)]
+    outs, grads = group_reads_and_grads(sources, params, heads, grad_outs, "fused")
+    expected, expected_grads = group_reads_and_grads([fp64(s) for s in sources],
+                                                     [[fp64(t) for t in read] for read in params], heads, grad_outs,
+                                                     "reference")
+    for r, (out, ref) in enumerate(zip(outs, expected, strict=True)):
+        assert out.dtype == dtype and torch.isfinite(out).all() and rel_rms(out, ref) < TOLERANCE[dtype], f"read {r}"
+    leaves = ("query", "key norm weight", "null source", "gate")[: len(params[0])]
+    names = [f"source {i}" for i in range(n)] + [f"read {r} {leaf}" for r in range(reads) for leaf in leaves]
+    for name, grad, ref in zip(names, grads, expected_grads, strict=True):
+        assert grad.dtype == dtype and grad.shape == ref.shape, name
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, ref) < TOLERANCE[dtype], name
+    forward, site, _, _ = spies
+    launches = int(n + gated > 1)  # one source and no null source: nothing to mix, no kernel
+    assert (forward.count("GROUPED"), site.count("GROUPED")) == (launches, launches)  # each serves every read
 
 
 def chained(mark):
@@ -485,7 +540,7 @@ def test_a_partial_backward_leaves_nothing_behind():
 
 
 class LaunchSpy:
-    """Wraps a kernel: records each launch's flags (HAS_*), then launches it."""
+    """Wraps a kernel: records each launch's flags (HAS_*, GROUPED), then launches it."""
 
     def __init__(self, kernel):
         self.kernel, self.flags = kernel, []
@@ -499,7 +554,7 @@ class LaunchSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.flags.append({k for k, v in kwargs.items() if k.startswith("HAS_") and v})
+            self.flags.append({k for k, v in kwargs.items() if (k.startswith("HAS_") or k == "GROUPED") and v})
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -627,13 +682,14 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing.ahead import compile_kernel
 
         gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False,
-                     HAS_PARTNER=False)
+                     HAS_PARTNER=False, GROUPED=False)
         split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True,
-                     HAS_PARTNER=True)
+                     HAS_PARTNER=True, GROUPED=False)
+        grouped = dict(gated, GROUPED=True)
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel, kernels.route_partials_kernel)
-        for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split), every_kernel):
+        for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
             compile_kernel(kernel, flags, width, heads, rows, warps)
         print("compiled")
     """)

@@ -12,8 +12,8 @@ from .fused import PARTIALS_TILE, _tile
 
 # the type of every kernel argument that is not a constexpr, by name (sources and outputs as bf16)
 ARGUMENT_TYPES = dict(
-    table="*i64", readers="*i64", num_sources="i32", num_second="i32", num_readers="i32", first="i32", T="i32",
-    programs="i32", eps="fp32",
+    table="*i64", readers="*i64", reads="*i64", num_sources="i32", num_second="i32", num_readers="i32",
+    num_reads="i32", first="i32", T="i32", programs="i32", rows="i32", eps="fp32",
     **dict.fromkeys(("src0_ptr", "src_ptr", "null_ptr", "q_ptr", "g_ptr", "gate_ptr", "residual_ptr", "out_ptr",
                      "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr",
                      "partner_ptr", "dgate_ptr"), "*bf16"),

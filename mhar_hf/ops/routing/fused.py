@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from mhar_hf.routing import check_gated, gated_dtype, route_reference
+from mhar_hf.routing import Read, check_gated, gated_dtype, route_reference
 
 from . import kernels
 
@@ -93,19 +93,21 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device) -> int:
+def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device,
+                   reads: int = 1) -> int:
     """Programs of the per-read backward, each writing `partial_bytes` of partial sums: enough
     to fill every multiprocessor with warps (memory latency is hidden by many loads in flight),
     but no more than keep those partials under an eighth of the bytes the read's sources hold
     (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms
     per step went to writing and summing them), and never fewer than 4 per multiprocessor: with
     one, a read of few sources left its loads' latency bare (1B delta, H200: 2.77 ms of site
-    kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with 8)."""
+    kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with 8). A launch for a group
+    of `reads` gives each read its share of those 4."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
     by_bytes = source_bytes // (8 * partial_bytes)
-    return min(token_blocks, 16 * multiprocessors, max(by_bytes, 4 * multiprocessors))
+    return min(token_blocks, 16 * multiprocessors, max(by_bytes, triton.cdiv(4 * multiprocessors, reads)))
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
@@ -128,6 +130,21 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     tile = _tile(width, num_heads)
     if _padded_width(tile) > MAX_TILE:
         return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
+    return None
+
+
+def group_unsupported_reason(sources: Sequence[torch.Tensor], reads: Sequence[Read], num_heads: int):
+    """`unsupported_reason` for a group of reads (`fused_route_group`), or None when it runs."""
+    kinds = {(r.null_source is not None, r.gate is not None) for r in reads}
+    if len(kinds) > 1:
+        return "fused routing groups reads that all have, or all lack, a null source and a gate"
+    dtypes = {tuple(t.dtype for t in r if t is not None) for r in reads}
+    if len(dtypes) > 1:
+        return "fused routing groups reads whose parameters share their dtypes"
+    for read in reads:
+        reason = unsupported_reason(sources, read.query, num_heads, read.null_source)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -253,11 +270,11 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
                              _empty((2, tokens, num_heads), dtype=torch.float32, device=first.device))
     q2, g2 = second if second is not None else (query, key_norm_weight)
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        table, first, query if null_source is None else null_source, query, key_norm_weight,
+        table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, lse)), len(sources), tokens, eps,
+        q2, g2, *(state if state is not None else (out, lse)), len(sources), 1, tokens, eps,
         HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
-        HAS_INIT=init is not None, HAS_SECOND=second is not None, **launch,
+        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
     )
     return out, lse, (state if second is not None else None)
 
@@ -526,36 +543,37 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     sums_end = rows * programs * width
     partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(programs,)](
-        table, first, null_source if has_null else query, query, key_norm_weight,
+        table, table, first, null_source if has_null else query, query, key_norm_weight,
         gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
                   else (lse, grad_out, total, terms)),
-        num_sources, len(sources), tokens, eps,
-        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, **launch,
+        num_sources, len(sources), 1, tokens, eps,
+        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False, **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
     params += (q2, g2) if second is not None else ()
-    grads, dgate = _sum_partials(partials, rows, programs, width, params, gate)
+    grads, dgates = _sum_partials(partials, programs, width, params, [gate] if has_gate else [])
     second_grads = (grads.pop(), grads.pop())[::-1] if second is not None else None
     dnull = grads[2] if has_null else None
-    return (grads[0], grads[1], dnull, dgate), record, second_grads
+    return (grads[0], grads[1], dnull, dgates[0] if has_gate else None), record, second_grads
 
 
-def _sum_partials(partials, rows: int, programs: int, width: int, params, gate):
-    """The gradients of `params` (one per row of the site kernel's partial sums) and of `gate`
-    (None without one), from one route_partials_kernel launch (torch's strided sum, its cast and
-    the gate's sum and cast took four per delta read: 1.2 ms of a 1B step)."""
+def _sum_partials(partials, programs: int, width: int, params, gates):
+    """The gradients of `params` (one per row of the site kernel's partial sums) and of `gates`
+    (one [programs] row each after those), from one route_partials_kernel launch (torch's
+    strided sum, its cast and the gate's sum and cast took four per delta read: 1.2 ms of a 1B
+    step)."""
     mixed = len({p.dtype for p in params}) > 1
+    rows = len(params)
     sums = _empty((rows, width), dtype=torch.float32 if mixed else params[0].dtype, device=partials.device)
-    dgate = _empty((1,), dtype=gate.dtype, device=partials.device) if gate is not None else sums
+    dgate = _empty((len(gates),), dtype=gates[0].dtype, device=partials.device) if gates else sums
     block_p, block_d = PARTIALS_TILE if not _interpreted() else (32, 64)  # the interpreter: few programs
-    kernels.route_partials_kernel[(rows + (gate is not None), triton.cdiv(width, block_d))](
-        partials, sums, dgate, programs, D=width, HAS_GATE=gate is not None, BLOCK_P=block_p, BLOCK_D=block_d,
-        num_warps=PARTIALS_WARPS,
+    kernels.route_partials_kernel[(rows + len(gates), triton.cdiv(width, block_d))](
+        partials, sums, dgate, programs, rows, D=width, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=PARTIALS_WARPS,
     )
     grads = [row.to(p.dtype) for row, p in zip(sums, params)] if mixed else list(sums.unbind(0))
-    return grads, (dgate if gate is not None else None)
+    return grads, (list(dgate.split(1)) if gates else [])
 
 
 def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
@@ -717,6 +735,8 @@ def fused_route(
                         store_lse=False, init=prefix.state)[0]
     if len(sources) + (null_source is not None) == 1:  # nothing to mix
         return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
+    if gate is not None and residual is None:  # gate * mix: the grouped kernels' read
+        return fused_route_group(sources, [Read(query, key_norm_weight, null_source, gate)], num_heads, eps)[0]
     if residual is not None:
         residual = residual.contiguous()
     if _needs_grad(query, key_norm_weight, null_source, gate, residual, *sources):
@@ -756,3 +776,138 @@ def fused_route_and_start(
     out, _, state = _forward(aligned, table, query, key_norm_weight, None, None, None, num_heads, eps,
                              store_lse=False, second=(next_query, next_key_norm_weight))
     return out, ReadPrefix(sources, sources, next_query, next_key_norm_weight, state, None)
+
+
+def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """A group's read table (kernels.READ_FIELDS): per read its parameters (the query stands in
+    for an absent null source or gate) and `lasts`, its output or output gradient."""
+    addresses = []
+    for read, last in zip(reads, lasts):
+        query, key_norm_weight, null_source, gate = _aligned(t if t is not None else read.query for t in read)
+        addresses += (*_addresses((query, key_norm_weight, null_source, gate, last)),)
+    return _address_table(tuple(addresses), device)
+
+
+def _group_flags(reads: Sequence[Read]) -> dict:
+    head = reads[0]
+    return dict(HAS_NULL=head.null_source is not None, HAS_GATE=head.gate is not None, GROUPED=True)
+
+
+def _stand_ins(read: Read) -> tuple:
+    """Pointer arguments a grouped launch takes for their types only (each read's come from the
+    read table): null source, query, key-norm weight, gate."""
+    query = read.query
+    return (query if read.null_source is None else read.null_source, query, read.key_norm_weight,
+            query if read.gate is None else read.gate)
+
+
+def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_lse):
+    """The outputs of a group of reads and their lse ([reads, T, H]; None unless `store_lse`)."""
+    first = sources[0]
+    width = first.shape[-1]
+    tokens = first.numel() // width
+    head = reads[0]
+    dtype = first.dtype if head.null_source is None else head.null_source.dtype
+    if head.gate is not None:
+        dtype = gated_dtype(head.gate, None, dtype)
+    outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
+    lse = _empty((len(reads), tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else None
+    launch = _kernel_args("forward", width, num_heads)
+    null, query, key_norm_weight, gate = _stand_ins(head)
+    flags = _group_flags(reads)
+    kernels.route_fwd_kernel[(len(reads) * triton.cdiv(tokens, launch["BLOCK_T"]),)](
+        table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
+        outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], len(sources), len(reads), tokens,
+        eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
+    )
+    return outs, lse
+
+
+def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, grad_outs):
+    """The site kernel of a group of reads, in one launch: every read's parameter gradients
+    (per read query, key-norm weight, then null source and gate where it has them) and records."""
+    first = sources[0]
+    width, device = first.shape[-1], first.device
+    tokens = first.numel() // width
+    head, count = reads[0], len(reads)
+    flags = _group_flags(reads)
+    few = not flags["HAS_GATE"] and len(sources) <= FEW_SOURCES
+    launch = _kernel_args("site_few" if few else "site", width, num_heads)
+    rows = 2 + flags["HAS_NULL"]
+    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
+                              * len(sources), 4 * width * rows, device, count)
+    total = _empty((count, tokens, num_heads), dtype=torch.float32, device=device)
+    gq = _empty((count, width + 1), dtype=torch.float32, device=device)
+    terms = _empty((count, len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
+    partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
+    null, query, key_norm_weight, gate = _stand_ins(head)
+    kernels.route_site_bwd_kernel[(count * programs,)](
+        table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
+        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
+        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, **flags, **launch,
+    )
+    task = torch._C._current_graph_task_id()
+    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]
+    params = [t for read in reads for t in read[:rows]]
+    grads, dgates = _sum_partials(partials, programs, width, params, [read.gate for read in reads] if flags["HAS_GATE"]
+                                  else [])
+    per_read = [(*grads[r * rows:(r + 1) * rows], *dgates[r:r + 1]) for r in range(count)]
+    return per_read, records
+
+
+class FusedRouteGroup(torch.autograd.Function):
+    """Reads of the same sources (`fused_route_group`): one forward launch and one site launch
+    serve them all, and each read leaves its own record with the sources, as if it ran alone.
+    The parameters come flattened (`_flatten`)."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, sources, marks, layout, newest, *params):
+        sources, table = _with_table(sources)
+        outs, lse = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_lse=True)
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
+        ctx.layout = layout
+        ctx.save_for_backward(lse, *params)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        lse, *params = ctx.saved_tensors
+        reads = _unflatten(params, ctx.layout)
+        grads, records = _site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse,
+                                              _aligned(grad_outs))
+        for record in records:
+            _leave(ctx.marks, record)
+        return None, None, None, None, None, None, *(g for read in grads for g in read)
+
+
+def _flatten(reads: Sequence[Read]) -> tuple[tuple[bool, bool], list[torch.Tensor]]:
+    """A group's parameters as one list, each read's query, key-norm weight, and null source and
+    gate where the reads have them, and its layout (whether they do) for `_unflatten`."""
+    return (reads[0].null_source is not None, reads[0].gate is not None), [t for r in reads for t in r if t is not None]
+
+
+def _unflatten(params: Sequence[torch.Tensor], layout: tuple[bool, bool]) -> list[Read]:
+    has_null, has_gate = layout
+    width = 2 + has_null + has_gate
+    reads = []
+    for i in range(0, len(params), width):
+        query, key_norm_weight, *rest = params[i:i + width]
+        reads.append(Read(query, key_norm_weight, rest[0] if has_null else None, rest[-1] if has_gate else None))
+    return reads
+
+
+@torch.compiler.disable
+def fused_route_group(sources: Sequence[torch.Tensor], reads: Sequence[Read], num_heads: int,
+                      eps: float) -> tuple[torch.Tensor, ...]:
+    """`route_group` computed by the Triton kernels (same arguments, same results)."""
+    sources, reads = tuple(sources), [Read(*read) for read in reads]
+    for read in reads:
+        check_gated(read.gate, None)
+    if len(sources) + (reads[0].null_source is not None) == 1:  # nothing to mix
+        return tuple(route_reference(sources, *read[:2], num_heads, eps, *read[2:]) for read in reads)
+    layout, params = _flatten(reads)
+    if _needs_grad(*params, *sources):
+        sources, marks, newest = _on_one_chain(sources)
+        return FusedRouteGroup.apply(num_heads, eps, sources, marks, layout, newest, *params)
+    sources, table = _with_table(sources)
+    return tuple(_forward_group(sources, table, reads, num_heads, eps, store_lse=False)[0])

@@ -133,25 +133,48 @@ def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
     return m_new, l * alpha + p, acc_lo * scale + p3 * x_lo, acc_hi * scale + p3 * x_hi
 
 
+READ_FIELDS = tl.constexpr(5)  # a group's read table: query, key-norm weight, null source, gate, output (gradient)
+
+
+@triton.jit
+def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
+    """Read r's row of a group's read table (see READ_FIELDS): its parameters and its output
+    (forward) or output gradient (backward)."""
+    return (_address(reads, r, q_ptr, READ_FIELDS, 0), _address(reads, r, g_ptr, READ_FIELDS, 1),
+            _address(reads, r, null_ptr, READ_FIELDS, 2), _address(reads, r, gate_ptr, READ_FIELDS, 3),
+            _address(reads, r, last_ptr, READ_FIELDS, 4))
+
+
 @triton.jit
 def route_fwd_kernel(
-    table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
+    table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
     q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr,
-    num_sources, T, eps,
+    num_sources, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
 
+    GROUPED: program b * num_reads + r computes read r of a group of reads of these sources,
+    for token block b; `reads` is the group's read table (READ_FIELDS), the lse a
+    [reads, T, H] block, and a gated read's output gate * mix, with no residual. The reads of
+    one token block run side by side, so their sources come from L2 after the first.
+
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
     (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if GROUPED:
+        read = tl.program_id(0) % num_reads
+        tok = (tl.program_id(0) // num_reads) * BLOCK_T + tl.arange(0, BLOCK_T)
+        q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
+        lse_ptr += read * T * H
+    else:
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     row_offs = tok[:, None, None].to(tl.int64) * D
@@ -191,8 +214,10 @@ def route_fwd_kernel(
     out_lo, out_hi = acc_lo * inv, acc_hi * inv
     if HAS_GATE:
         gate = tl.load(gate_ptr).to(tl.float32)
-        res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
-        out_lo, out_hi = res_lo + gate * out_lo, res_hi + gate * out_hi
+        out_lo, out_hi = gate * out_lo, gate * out_hi
+        if not GROUPED:
+            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
+            out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
     _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
     if STORE_LSE:
         tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
@@ -219,11 +244,11 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 
 @triton.jit
 def route_site_bwd_kernel(
-    table, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
+    table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
     q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
-    num_sources, num_second, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr,
+    num_sources, num_second, num_reads, T, eps,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -245,8 +270,26 @@ def route_site_bwd_kernel(
     whose sources are the table's first `num_second` (this read's `num_sources` and more): its
     S (`total2`) is known already, from its output (route_total_kernel), so A2 = sum_n w (P - S)
     rstd x is summed directly; its query's and key-norm weight's partials follow this read's, and
-    its terms go to `terms2`."""
-    pid = tl.program_id(0)
+    its terms go to `terms2`.
+
+    GROUPED: program p * num_reads + r is program p of read r of a group of reads of these
+    sources (see route_fwd_kernel), `reads` its read table (the last field the output gradient). Per read
+    the lse, S, g*q and terms are blocks of [reads, ...] tensors; the partial sums are
+    [reads, rows, programs, D], then the gates' [reads, programs]."""
+    rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
+    if GROUPED:
+        read, pid, programs = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads, tl.num_programs(0) // num_reads
+        q_ptr, g_ptr, null_ptr, gate_ptr, dout_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr,
+                                                                dout_ptr)
+        lse_ptr += read * T * H
+        total_ptr += read * T * H
+        gq_ptr += read * (D + 1)
+        terms_ptr += read.to(tl.int64) * num_sources * 2 * T * H
+        gate_partials = partial_ptr + tl.cast(num_reads, tl.int64) * rows * programs * D + read * programs
+        partial_ptr += read.to(tl.int64) * rows * programs * D
+    else:
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        gate_partials = partial_ptr + rows * programs * D
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
@@ -274,7 +317,7 @@ def route_site_bwd_kernel(
         dkey2_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
         dkey2_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
 
-    for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # programs past the end write zeros
+    for block in range(pid, tl.cdiv(T, BLOCK_T), programs):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_offs = tok[:, None, None].to(tl.int64) * D
         in_range = (tok < T)[:, None, None]
@@ -333,7 +376,7 @@ def route_site_bwd_kernel(
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
-    row = tl.num_programs(0) * D  # one row of partial sums: a [programs, D] block
+    row = programs * D  # one row of partial sums: a [programs, D] block
     # g and q loaded again rather than held through the loop: registers bound how many programs
     # a multiprocessor runs at once
     g_lo, g_hi = _load_vector(g_ptr, *cols)
@@ -354,28 +397,26 @@ def route_site_bwd_kernel(
         tl.store(partial_ptr + second + row + col_lo, dkey2_lo * q2_lo, mask=mask_lo)
         tl.store(partial_ptr + second + row + col_hi, dkey2_hi * q2_hi, mask=mask_hi)
     if HAS_GATE:
-        tl.store(partial_ptr + (2 + HAS_NULL + 2 * HAS_SECOND) * row + pid, tl.sum(tl.sum(dgate, 1), 0))
+        tl.store(gate_partials + pid, tl.sum(tl.sum(dgate, 1), 0))
 
 
 @triton.jit
-def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs,
-                          D: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
+                          D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The parameter gradients from route_site_bwd_kernel's per-program partial sums, each summed
     in one fixed order (deterministic) and written in the output's dtype: program (r, c) sums
     columns [c * BLOCK_D, (c + 1) * BLOCK_D) of row r of the [rows, programs, D] partials into
-    out [rows, D]; with HAS_GATE, row `rows` (the grid's last) sums the gate's [programs] partials
-    that follow them into dgate. One launch for what would be a strided reduction and a cast
-    per parameter."""
+    out [rows, D]; rows past `rows` (the grid's last, one per gate) sum the gates' [programs]
+    partials that follow them into dgate. One launch for what would be a strided reduction and
+    a cast per parameter."""
     row, block = tl.program_id(0), tl.program_id(1)
-    if HAS_GATE:
-        gate_row = row == tl.num_programs(0) - 1
-    else:
-        gate_row = row < 0
-    # a row's width, and the stride between its programs' partials: the gate has one value per
+    gate_row = row >= rows
+    # a row's width, and the stride between its programs' partials: a gate has one value per
     # program, so its blocks past the first load and store nothing
     width = tl.where(gate_row, 1, D)
     cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
-    base = partials_ptr + row.to(tl.int64) * programs * D
+    base = partials_ptr + tl.where(gate_row, rows.to(tl.int64) * programs * D + (row - rows) * programs,
+                                   row.to(tl.int64) * programs * D)
     acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
@@ -383,7 +424,7 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs,
         acc += tl.load(base + p[:, None] * width + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, 0)
     if gate_row:
-        tl.store(dgate_ptr + cols, total.to(dgate_ptr.dtype.element_ty), mask=cols < 1)
+        tl.store(dgate_ptr + (row - rows) + cols, total.to(dgate_ptr.dtype.element_ty), mask=cols < 1)
     else:
         tl.store(out_ptr + row * D + cols, total.to(out_ptr.dtype.element_ty), mask=cols < D)
 
