@@ -25,8 +25,9 @@ import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
-from mhar_hf.ops.routing import fused_route, fused_route_and_start, track
+from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing.fused import LAUNCH
+from mhar_hf.routing import Read
 
 MICRO_BATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
 VARIANTS = [  # (label, residual mode, heads)
@@ -116,16 +117,18 @@ def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: b
 
 def record_routing_sites(model: MHARForCausalLM) -> list[tuple[int, str]]:
     """A list that the model's next forward fills with, per routing site, the number of sources
-    (null source included) it reads and how: "whole", or as the first ("begin") or second
-    ("end") read of a split pair (`route_and_start`). One-source reads return their source and
-    are left out."""
+    (null source included) it reads and how: "whole", as the first ("begin") or second ("end")
+    read of a split pair (`route_and_start`), or as the first ("group") or a later ("ahead")
+    read of a group (`route_group`, delta mode). One-source reads return their source and are
+    left out."""
     sites = []
 
     def hook(router, args, kwargs):
         n = len(args[0]) + router.gated
         role = "begin" if kwargs.get("begin") is not None else "end" if kwargs.get("prefix") is not None else "whole"
+        ahead = kwargs.get("ahead", ())
         if n > 1 and len(sites) < router_count:
-            sites.append((n, role))
+            sites.extend([(n, "group" if ahead else role)] + [(n, "ahead")] * len(ahead))
 
     routers = [m for m in model.modules() if isinstance(m, MHARRouter)]
     router_count = len(routers)
@@ -143,17 +146,17 @@ def copy_bandwidth() -> float:
 
 
 def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tuple, heads: int,
-               null=None, gate=None, stream=None) -> list[torch.Tensor]:
+               null=None, gate=None) -> list[torch.Tensor]:
     """The outputs of one training step's routing reads with the fused op, made as the model makes
-    them. `sites`: (sources read, role) per read, a gated read's count including its stream;
-    `first` and `second`: the (query, key-norm weight) of whole and beginning reads, and of ending
-    ones; with a gate, delta mode's reads (`stream + gate * mix`). Each source is marked once,
+    them. `sites`: (sources read, role) per read, a gated read's count including its null source;
+    `first` and `second`: the (query, key-norm weight) of whole, beginning and grouped reads, and
+    of ending ones; with a gate, delta mode's reads (`gate * mix`). Each source is marked once,
     chained, after the reads before its first, as the model makes it: autograd then runs each
     mark's backward before those reads', so sources pair up (DepthSource) as in a step. Marked all
     at once, no two would."""
     gated = gate is not None
     tracked, outs, prefix = [], [], None
-    for n, role in sites:
+    for i, (n, role) in enumerate(sites):
         while len(tracked) < n - gated:
             tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
         read = tracked[: n - gated]
@@ -161,8 +164,14 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
             out, prefix = fused_route_and_start(read, *first, *second, heads, 1e-6)
         elif role == "end":
             out = fused_route(read, *second, heads, 1e-6, prefix=prefix)
+        elif role == "group":
+            count = next((j for j, (_, r) in enumerate(sites[i + 1:]) if r != "ahead"), len(sites) - i - 1) + 1
+            outs.extend(fused_route_group(read, [Read(*first, null, gate)] * count, heads, 1e-6))
+            continue
+        elif role == "ahead":
+            continue  # its group's first read made it
         else:
-            out = fused_route(read, *first, heads, 1e-6, null, gate, stream)
+            out = fused_route(read, *first, heads, 1e-6, null, gate)
         outs.append(out)
     return outs
 
@@ -170,11 +179,12 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
 def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: int, heads: int,
                  bandwidth: float) -> dict:
     """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
-    op, made as the model makes them (delta mode's gated reads: `stream + gate * mix`; full mode's
-    split pairs), against the floor of the bytes they must move: per read, every source (and a gated
-    read's stream) read once and the output written once in the forward, its sources and output
-    gradient read once in the site backward and the output gradient once more per source it reads;
-    a split pair reads the second read's sources once for both reads, in each of the two passes.
+    op, made as the model makes them (delta mode's grouped gated reads, full mode's split pairs),
+    against the floor of the bytes they must move: per read, every source read once and the output
+    written once in the forward, its sources and output gradient read once in the site backward
+    and the output gradient once more per source it reads; a split pair reads the second read's
+    sources once for both reads, and a group its sources once for all its reads, in each of the
+    two passes.
     Also the wall time of forward + backward alone, which the host's launch time can bound."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     table_sources = max(n for n, _ in sites) - gated
@@ -185,17 +195,16 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     second_norm_weight = torch.ones(width, **bf16, requires_grad=True)
     null = torch.randn(width, **bf16, requires_grad=True) if gated else None
     gate = torch.randn(1, **bf16, requires_grad=True) if gated else None
-    stream = torch.randn(tokens, width, **bf16, requires_grad=True) if gated else None
     # one output gradient per read, as in a step (the source kernel reads every read's gradient of
     # its source: one shared by all could stay in L2)
     grads = [torch.randn(tokens, width, **bf16) for _ in sites]
     paired = any(role == "begin" for _, role in sites)
-    params = [query, norm_weight] + ([null, gate, stream] if gated else []) + (
+    params = [query, norm_weight] + ([null, gate] if gated else []) + (
         [second_query, second_norm_weight] if paired else [])
 
     def forward():
         return step_reads(sites, sources, (query, norm_weight), (second_query, second_norm_weight), heads,
-                          null, gate, stream)
+                          null, gate)
 
     def forward_backward():
         outs = forward()
@@ -203,8 +212,9 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
 
     fwd_units = bwd_units = 0  # in [tokens, width] bf16 tensors
     for n, role in sites:
-        fwd_units += 1 + (n if role != "begin" else 0)  # a gated read's n + 1: its stream
-        bwd_units += 1 + (n - gated) * (2 if role != "begin" else 1)
+        sources_read = n - gated if role not in ("begin", "ahead") else 0  # a pair's or group's first reads them
+        fwd_units += 1 + sources_read
+        bwd_units += 1 + sources_read + (n - gated)
     unit = tokens * width * 2
     floor_fwd, floor_bwd = fwd_units * unit / bandwidth * 1e3, bwd_units * unit / bandwidth * 1e3
     kernels_ms = routing_kernel_ms(forward_backward)

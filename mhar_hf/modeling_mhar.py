@@ -9,8 +9,9 @@ The residual state passed between layers depends on `config.residual_mode`:
   standard  hidden                      the plain residual
   full      (sources...)                every sublayer output so far, the embedding first
   block     ((blocks...), partial)      finished block sums and the running one
-  delta     (stream, (blocks...), boundary)   the plain residual, its block deltas, and the
-                                        stream at the last block boundary
+  delta     (stream, (blocks...), boundary, (reads...))   the plain residual, its block deltas,
+                                        the stream at the last block boundary, and the gated
+                                        reads of later sites computed ahead (see `reads_ahead`)
 States are tuples and never mutated, so a layer recomputed under activation checkpointing
 sees exactly the inputs of its first run.
 """
@@ -41,12 +42,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mhar import MHARConfig
-from .routing import route, route_and_start, track
+from .routing import Read, route, route_and_start, route_group, track
 
 
 class MHARRouter(nn.Module):
     """One routing site: a pseudo-query and a key-norm weight; in delta mode also a null source
-    and a gate, and the read returns `residual + gate * mix` for the stream it is given."""
+    and a gate, and the read returns `gate * mix` (the decoder layer adds the stream)."""
 
     def __init__(self, config: MHARConfig, gated: bool):
         super().__init__()
@@ -66,12 +67,22 @@ class MHARRouter(nn.Module):
         residual: torch.Tensor | None = None,
         prefix=None,
         begin: "MHARRouter | None" = None,
+        ahead: tuple["MHARRouter", ...] = (),
     ):
-        """The read; a gated router needs the `residual` stream it adds to (route checks).
+        """The read; with `residual` a gated read returns `residual + gate * mix`.
 
         Split reads (see `routing.route_and_start`): with `begin`, the router whose read takes
         these sources and more, returns (read, prefix), and that router's read then gets
-        `prefix=prefix` with its sources."""
+        `prefix=prefix` with its sources.
+        Grouped reads (see `routing.route_group`): with `ahead`, gated routers whose reads take
+        these same sources later, returns the reads of this router and of those, computed
+        together; those routers are not called (hooks see `ahead` here instead)."""
+        if ahead:
+            routers = (self, *ahead)
+            if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
+                raise ValueError("grouped reads are of gated routers of the same heads and eps")
+            reads = [Read(r.query, r.key_norm_weight, r.null_source, r.gate) for r in routers]
+            return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
         if begin is not None:
             if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
                 raise ValueError("a split read pairs two ungated routers of the same heads and eps")
@@ -177,6 +188,10 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             self.mlp_router = MHARRouter(config, gated)
             self.starts_block = layer_idx % config.layers_per_block == 0
             self.routing_implementation = config.routing_implementation
+        # delta mode, a layer that starts a block: (layer, router name) of the later reads of the
+        # blocks it completes, read together with its MLP read (MHARModel sets them). Names, not
+        # routers: PEFT's modules_to_save swaps a router for a wrapper after the model is built.
+        self.reads_ahead: tuple[tuple[nn.Module, str], ...] = ()
 
     def forward(
         self,
@@ -199,13 +214,18 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         )
         return getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
 
-    # Each sublayer adds its output to `residual` when given one: inside the sublayer, so that a
-    # compiled sublayer fuses the add (and its backward) instead of leaving an eager kernel each.
-    def attention_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, **kwargs):
+    # Each sublayer adds delta mode's gated `read` to its input and its output to `residual` when
+    # given them: inside the sublayer, so that a compiled sublayer fuses the adds (and their
+    # backward, where the stream's two gradients meet) instead of leaving an eager kernel each.
+    def attention_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None,
+                           read: torch.Tensor | None = None, **kwargs):
+        hidden_states = hidden_states if read is None else hidden_states + read
         out = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
         return out if residual is None else residual + out
 
-    def mlp_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None,
+                     read: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = hidden_states if read is None else hidden_states + read
         out = self.mlp(self.post_attention_layernorm(hidden_states))
         return out if residual is None else residual + out
 
@@ -240,15 +260,47 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return blocks, self.depth_source(running_after_mlp, after=running)
 
     def _forward_delta(self, residual, attend):
-        stream, blocks, boundary = residual
-        hidden = self.attn_router(blocks, residual=stream) if self.attn_router is not None else stream
+        stream, blocks, boundary, ahead = residual
+        read = None
+        if self.attn_router is not None:
+            read, ahead = self._delta_read(self.attn_router, blocks, ahead)
         if self.starts_block:
             delta = stream - boundary if blocks else stream
             blocks = (*blocks, self.depth_source(delta, after=blocks[-1] if blocks else None))
             boundary = stream
-        stream = attend(hidden, residual=stream)
-        stream = self.mlp_sublayer(self.mlp_router(blocks, residual=stream), residual=stream)
-        return stream, blocks, boundary
+            routers = tuple(getattr(layer, name) for layer, name in self.reads_ahead)
+            if routers and _unsharded(routers):
+                ahead = self.mlp_router(blocks, ahead=routers)
+        stream = attend(stream, residual=stream, read=read)
+        read, ahead = self._delta_read(self.mlp_router, blocks, ahead)
+        return self.mlp_sublayer(stream, residual=stream, read=read), blocks, boundary, ahead
+
+    @staticmethod
+    def _delta_read(router, blocks, ahead):
+        """A delta read, `gate * mix`, and the reads still ahead: the first of `ahead` when the
+        block's reads were computed together, else the router's own read."""
+        return (ahead[0], ahead[1:]) if ahead else (router(blocks), ())
+
+
+def _group_delta_reads(layers) -> None:
+    """Delta mode: every read from one block start to the next takes the same blocks (the MLP
+    read of the starting layer, both reads of the layers after it, and the attention read of the
+    next block's first layer, made before that block is added), so the starting layer computes
+    them together (`routing.route_group`: on the fused path one pass over the blocks for all)."""
+    starts = [i for i, layer in enumerate(layers) if layer.starts_block] + [len(layers)]
+    for start, end in zip(starts, starts[1:]):
+        later = [(layer, name) for layer in layers[start + 1:end] for name in ("attn_router", "mlp_router")]
+        layers[start].reads_ahead = (*later, *([(layers[end], "attn_router")] if end < len(layers) else []))
+
+
+def _unsharded(routers) -> bool:
+    """Whether the routers' parameters are whole tensors here. FSDP2 shards every layer's
+    parameters outside its own forward, so the reads of later layers cannot be computed ahead."""
+    if not torch.distributed.is_available():
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for router in routers for p in router.parameters())
 
 
 class MHARPreTrainedModel(PreTrainedModel):
@@ -282,6 +334,8 @@ class MHARModel(MHARPreTrainedModel):
         self.layers = nn.ModuleList([MHARDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         if config.residual_mode in ("full", "block"):
             self.final_router = MHARRouter(config, gated=False)
+        if config.residual_mode == "delta":
+            _group_delta_reads(self.layers)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -295,7 +349,7 @@ class MHARModel(MHARPreTrainedModel):
         if mode == "block":
             return (), track(embeddings, self.config.routing_implementation)
         if mode == "delta":
-            return embeddings, (), embeddings
+            return embeddings, (), embeddings, ()
         return embeddings
 
     def final_hidden(self, residual) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The routing probe: what each head of each routing site reads, averaged over a text, and the
 paper's measures of how much heads and query slices disagree (DESIGN.md section 6).
 
-`RoutingProbe` is a context manager that puts a forward pre-hook on every `MHARRouter`. The
-hook only reads the sources and the site's parameters, so the forward's results are unchanged.
+`RoutingProbe` is a context manager that puts a forward pre-hook on every `MHARRouter` (in delta
+mode a router also observes the sites it reads ahead for). The hook only reads the sources and
+the sites' parameters, so the forward's results are unchanged.
 Per site it accumulates, over tokens:
   - the routing weights of every head over the site's sources (`routing_weights`);
   - width disagreement: each head's query and keys cut into S contiguous slices, each slice
@@ -206,11 +207,13 @@ class RoutingProbe:
         self._handles = []
 
     def __enter__(self) -> RoutingProbe:
-        for name, router in self.routers:
-            site = self._sites[name]
+        site_of = {router: self._sites[name] for name, router in self.routers}
+        for router in site_of:
 
-            def hook(module, args, kwargs, site=site):
-                site.observe(args[0] if args else kwargs["sources"], self.slices)
+            def hook(module, args, kwargs):
+                sources = args[0] if args else kwargs["sources"]
+                for read in (module, *kwargs.get("ahead", ())):  # routers read with this one (delta mode)
+                    site_of[read].observe(sources, self.slices)
 
             self._handles.append(router.register_forward_pre_hook(hook, with_kwargs=True))
         return self

@@ -45,3 +45,26 @@ def test_step_reads_pair_sources_as_the_model_does(source_launches):
 
     assert any(partner for _, _, partner in by_model)  # the comparison means something only with pairs
     assert source_launches == by_model
+
+
+def test_step_reads_group_reads_as_the_model_does(source_launches):
+    """Delta mode: the same grouped reads (one forward launch per group) and the same number of
+    reads summed by each source launch."""
+    config = tiny_config(residual_mode="delta", routing_implementation="fused", num_hidden_layers=5)
+    model = MHARForCausalLM(config)
+    sites = record_routing_sites(model)
+    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
+    by_model = list(source_launches)
+    source_launches.clear()
+
+    width = config.hidden_size
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites) - 1)]
+    first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
+    null, gate = torch.randn(width, requires_grad=True), torch.randn(1, requires_grad=True)
+    outs = step_reads(sites, sources, first, second, config.residual_heads, null, gate)
+    torch.autograd.grad(outs, sources + [*first, null, gate], [torch.randn_like(o) for o in outs])
+
+    roles = [role for _, role in sites]
+    # blocks of 3 layers: layer 0's MLP read to layer 3's attention read, then layer 3's MLP read on
+    assert roles.count("group") == 2 and roles.count("ahead") == 7
+    assert len(outs) == len(sites) and source_launches == by_model

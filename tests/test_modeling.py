@@ -148,13 +148,15 @@ def test_modes_match_a_forward_written_from_the_design(mode, layers, blocks):
 
 
 def source_counts(model, tokens):
-    """The number of sources each router receives, by module name."""
+    """The number of sources each router receives, by module name (a router read ahead with
+    another's, delta mode, receives that router's)."""
     counts, handles = {}, []
-    for name, module in model.named_modules():
-        if isinstance(module, MHARRouter):
-            def hook(_, args, name=name):
-                counts[name] = len(args[0])
-            handles.append(module.register_forward_pre_hook(hook))
+    names = {module: name for name, module in model.named_modules() if isinstance(module, MHARRouter)}
+    for module in names:
+        def hook(module, args, kwargs):
+            for router in (module, *kwargs.get("ahead", ())):
+                counts[names[router]] = len(args[0])
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     with torch.no_grad():
         model(tokens)
     for handle in handles:

@@ -584,21 +584,23 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
     assert forward.launches == 1
 
 
-# (mode, reads, sources, split pairs) of the 4-layer, 2-block tiny model. full: every attention
-# router but layer 0's, every MLP router and the final one read; the embedding and every
-# sublayer output are sources; layers 1-3 pair their attention and MLP reads. block: the same
-# reads, the embedding and the running sum after every sublayer. delta: no final read; the two
-# block deltas.
+# (mode, forward launches, sources, split pairs, source pairs, grouped launches) of the 4-layer,
+# 2-block tiny model. full: every attention router but layer 0's, every MLP router and the final
+# one read; the embedding and every sublayer output are sources; layers 1-3 pair their attention
+# and MLP reads. block: the same reads, the embedding and the running sum after every sublayer.
+# delta: no final read; the two block deltas; its 7 reads in two groups, one per block (layer 0's
+# MLP read to layer 2's attention read, layer 2's MLP read to the end), a launch each way each.
 # Source pairs (a source's launch also sums the terms of the source made before it, from the
 # reads they share when those are all that source has had so far, fused.PARTNER_MIN_READS or
 # more): full mode, the attention outputs of layers 2, 1 and 0 with the MLP output of the layer
 # before (the embedding for layer 0), sharing 4, 6 and 8 reads; in delta mode the two deltas
 # share 3 reads, too few.
-MODEL_READS = [("full", 8, 9, 3, 3), ("block", 8, 9, 0, 0), ("delta", 7, 2, 0, 0)]
+MODEL_READS = [("full", 8, 9, 3, 3, 0), ("block", 8, 9, 0, 0, 0), ("delta", 2, 2, 0, 0, 2)]
 
 
-@pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs", MODEL_READS)
-def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs, source_pairs):
+@pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs, groups", MODEL_READS)
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs, source_pairs,
+                                                                  groups):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source, totals = spies
@@ -610,6 +612,7 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs)
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
+    assert (forward.count("GROUPED"), site.count("GROUPED")) == (groups, groups)
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
