@@ -16,6 +16,7 @@ which share the forward's and the site backward's passes over their common sourc
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -391,6 +392,7 @@ class ReadRecord:
         self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
         self.eps = eps
         self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
+        assert not any(a % ALIGNMENT for a in (*self.addresses, terms.data_ptr())), "kernels._address assumes it"
         self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
 
     def terms_address(self, position: int) -> int:
@@ -801,6 +803,14 @@ def _stand_ins(read: Read) -> tuple:
             query if read.gate is None else read.gate)
 
 
+def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
+    """fp32 [count, *shape], one block per read of a group, each 16-byte aligned (the source kernel reaches a read's blocks through its table; see
+    kernels._read_stride, which the kernels step by)."""
+    numel = math.prod(shape)
+    stride = triton.cdiv(numel, 4) * 4
+    return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
+
+
 def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_lse):
     """The outputs of a group of reads and their lse ([reads, T, H]; None unless `store_lse`)."""
     first = sources[0]
@@ -811,7 +821,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     if head.gate is not None:
         dtype = gated_dtype(head.gate, None, dtype)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
-    lse = _empty((len(reads), tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else None
+    lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
     launch = _kernel_args("forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
@@ -836,9 +846,9 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     rows = 2 + flags["HAS_NULL"]
     programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
                               * len(sources), 4 * width * rows, device, count)
-    total = _empty((count, tokens, num_heads), dtype=torch.float32, device=device)
-    gq = _empty((count, width + 1), dtype=torch.float32, device=device)
-    terms = _empty((count, len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
+    total = _per_read(count, (tokens, num_heads), device)
+    gq = _per_read(count, (width + 1,), device)
+    terms = _per_read(count, (len(sources), 2, tokens, num_heads), device)
     partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
     null, query, key_norm_weight, gate = _stand_ins(head)
     kernels.route_site_bwd_kernel[(count * programs,)](

@@ -137,6 +137,13 @@ READ_FIELDS = tl.constexpr(5)  # a group's read table: query, key-norm weight, n
 
 
 @triton.jit
+def _read_stride(numel):
+    """Elements between two reads' blocks of a per-read tensor of a group: `numel` rounded up to
+    a multiple of 4, so each block is 16-byte aligned (fused._per_read)."""
+    return (numel + 3) // 4 * 4
+
+
+@triton.jit
 def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
     """Read r's row of a group's read table (see READ_FIELDS): its parameters and its output
     (forward) or output gradient (backward)."""
@@ -159,8 +166,8 @@ def route_fwd_kernel(
     per-head log-sum-exp of the logits (all the backward needs).
 
     GROUPED: program b * num_reads + r computes read r of a group of reads of these sources,
-    for token block b; `reads` is the group's read table (READ_FIELDS), the lse a
-    [reads, T, H] block, and a gated read's output gate * mix, with no residual. The reads of
+    for token block b; `reads` is the group's read table (READ_FIELDS), the lse one block per
+    read (_read_stride apart), and a gated read's output gate * mix, with no residual. The reads of
     one token block run side by side, so their sources come from L2 after the first.
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
@@ -172,7 +179,7 @@ def route_fwd_kernel(
         read = tl.program_id(0) % num_reads
         tok = (tl.program_id(0) // num_reads) * BLOCK_T + tl.arange(0, BLOCK_T)
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
-        lse_ptr += read * T * H
+        lse_ptr += read * _read_stride(T * H)
     else:
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
@@ -273,18 +280,19 @@ def route_site_bwd_kernel(
     its terms go to `terms2`.
 
     GROUPED: program p * num_reads + r is program p of read r of a group of reads of these
-    sources (see route_fwd_kernel), `reads` its read table (the last field the output gradient). Per read
-    the lse, S, g*q and terms are blocks of [reads, ...] tensors; the partial sums are
-    [reads, rows, programs, D], then the gates' [reads, programs]."""
+    sources (see route_fwd_kernel), `reads` its read table (the last field the output
+    gradient). Per read the lse, S, g*q and terms are blocks _read_stride apart; the partial
+    sums are [reads, rows, programs, D], then the gates' [reads, programs]."""
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
-        read, pid, programs = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads, tl.num_programs(0) // num_reads
+        read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
+        programs = tl.num_programs(0) // num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, dout_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr,
                                                                 dout_ptr)
-        lse_ptr += read * T * H
-        total_ptr += read * T * H
-        gq_ptr += read * (D + 1)
-        terms_ptr += read.to(tl.int64) * num_sources * 2 * T * H
+        lse_ptr += read * _read_stride(T * H)
+        total_ptr += read * _read_stride(T * H)
+        gq_ptr += read * _read_stride(D + 1)
+        terms_ptr += read.to(tl.int64) * _read_stride(num_sources * 2 * T * H)
         gate_partials = partial_ptr + tl.cast(num_reads, tl.int64) * rows * programs * D + read * programs
         partial_ptr += read.to(tl.int64) * rows * programs * D
     else:
