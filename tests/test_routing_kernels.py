@@ -284,7 +284,7 @@ def test_grouped_reads_and_every_gradient_match_fp64_reference(spies, n, width, 
     each `gate * mix`): every output and the gradients of the sources and of every read's
     query, key-norm weight, null source and gate against fp64 reads one at a time."""
     sources, params = group_inputs(n, width, tokens, batch, reads, gated, dtype)
-    grad_outs = [torch.randn(batch, tokens, width, device=DEVICE) for _ in range(reads)]
+    grad_outs = [torch.randn(batch, tokens, width, device=DEVICE, dtype=dtype) for _ in range(reads)]  # exact in fp64
     outs, grads = group_reads_and_grads(sources, params, heads, grad_outs, "fused")
     expected, expected_grads = group_reads_and_grads([fp64(s) for s in sources],
                                                      [[fp64(t) for t in read] for read in params], heads, grad_outs,

@@ -54,6 +54,7 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 # 16 x SM partials per column; 32 bytes per row is one memory sector.
 PARTIALS_TILE = (1024, 8)
 PARTIALS_WARPS = 8
+SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -108,7 +109,8 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
     by_bytes = source_bytes // (8 * partial_bytes)
-    return min(token_blocks, 16 * multiprocessors, max(by_bytes, triton.cdiv(4 * multiprocessors, reads)))
+    return min(token_blocks, 16 * multiprocessors,
+               max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
