@@ -34,7 +34,7 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_SECOND=True)),
     ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_INIT=True)),
     ("forward", "gated, null", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True)),
-    ("forward", "grouped, gated", kernels.route_fwd_kernel,
+    ("group_forward", "gated", kernels.route_fwd_kernel,
      dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
     ("site", "whole", kernels.route_site_bwd_kernel, {}),
     ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),

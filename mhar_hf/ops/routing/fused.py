@@ -46,8 +46,11 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Ungated reads of few sources (block mode, full mode's first layers) take their own site shape:
 # two token rows per program, half the warps per row (1B block: 1.46 to 1.37 ms of site kernel per
 # step, 100M 1.18 to 0.90; delta mode's gated reads were slower so: 1B 1.46 to 2.43 ms).
+# Grouped forwards (delta mode) take as many token rows as fit one warp's elements (rows 0): H200,
+# ms of grouped forward per step against one row: 100M 0.80 to 0.60 (4 rows), 350M 0.85 to 0.74 (2);
+# one row of 1280 at 1B, where two rows or two warps per row were slower.
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512),
-          "site_few": (2, 1280, 3)}
+          "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
@@ -82,6 +85,7 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     loop) of one kernel for this width and H."""
     tile = _tile(width, num_heads)
     rows, per_warp, *stages = LAUNCH[kind]
+    rows = rows or max(1, per_warp // _padded_width(tile))  # 0: the rows that fit one warp
     if stages:
         tile = dict(tile, STAGES=stages[0])
     if _interpreted():
@@ -97,18 +101,18 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device,
                    reads: int = 1) -> int:
-    """Programs of the per-read backward, each writing `partial_bytes` of partial sums: enough
-    to fill every multiprocessor with warps (memory latency is hidden by many loads in flight),
-    but no more than keep those partials under an eighth of the bytes the read's sources hold
-    (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms
-    per step went to writing and summing them), and never fewer than 4 per multiprocessor: with
-    one, a read of few sources left its loads' latency bare (1B delta, H200: 2.77 ms of site
-    kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with 8). A launch for a group
-    of `reads` gives each read its share of those 4."""
+    """Programs per read of the site backward, each writing `partial_bytes` of partial sums:
+    enough to fill every multiprocessor with warps (memory latency is hidden by many loads in
+    flight), but no more than keep all the launch's partials under an eighth of the bytes its
+    sources hold (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 +
+    0.9 ms of 6.7 ms per step went to writing and summing them), and never fewer than 4 per
+    multiprocessor: with one, a read of few sources left its loads' latency bare (1B delta,
+    H200: 2.77 ms of site kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with
+    8). A launch for a group of `reads` shares both bounds among its reads."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
-    by_bytes = source_bytes // (8 * partial_bytes)
+    by_bytes = source_bytes // (8 * partial_bytes * reads)
     return min(token_blocks, 16 * multiprocessors,
                max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
 
@@ -824,7 +828,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
         dtype = gated_dtype(head.gate, None, dtype)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
     lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
-    launch = _kernel_args("forward", width, num_heads)
+    launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
     kernels.route_fwd_kernel[(len(reads) * triton.cdiv(tokens, launch["BLOCK_T"]),)](
