@@ -677,6 +677,20 @@ def test_launch_counts_only_the_columns_a_program_holds(width, heads, held):
     assert fused._padded_width(fused._tile(width, heads)) == held
 
 
+@pytest.mark.parametrize("width, heads", [(320, 2), (36, 12), (200, 2), (1280, 8), (4096, 8)])
+def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
+    """Token rows are a tile dimension (tl.arange): the grouped forward's rows-that-fit-a-warp
+    gave 6 at d = 320, H = 2, which the GPU compiler rejects (the interpreter does not check)."""
+    monkeypatch.setattr(fused, "_interpreted", lambda: False)
+    fused._kernel_args.cache_clear()
+    try:
+        for kind in fused.LAUNCH:
+            rows = fused._kernel_args(kind, width, heads)["BLOCK_T"]
+            assert rows >= 1 and rows & (rows - 1) == 0, (kind, rows)
+    finally:
+        fused._kernel_args.cache_clear()
+
+
 def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""

@@ -85,7 +85,8 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     loop) of one kernel for this width and H."""
     tile = _tile(width, num_heads)
     rows, per_warp, *stages = LAUNCH[kind]
-    rows = rows or max(1, per_warp // _padded_width(tile))  # 0: the rows that fit one warp
+    if not rows:  # the rows that fit one warp (a power of two: a tile dimension)
+        rows = 1 << (max(1, per_warp // _padded_width(tile)).bit_length() - 1)
     if stages:
         tile = dict(tile, STAGES=stages[0])
     if _interpreted():
@@ -103,16 +104,17 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
                    reads: int = 1) -> int:
     """Programs per read of the site backward, each writing `partial_bytes` of partial sums:
     enough to fill every multiprocessor with warps (memory latency is hidden by many loads in
-    flight), but no more than keep all the launch's partials under an eighth of the bytes its
-    sources hold (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 +
-    0.9 ms of 6.7 ms per step went to writing and summing them), and never fewer than 4 per
+    flight), but no more than keep a read's partials under an eighth of the bytes its sources
+    hold (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms
+    of 6.7 ms per step went to writing and summing them), and never fewer than 4 per
     multiprocessor: with one, a read of few sources left its loads' latency bare (1B delta,
     H200: 2.77 ms of site kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with
-    8). A launch for a group of `reads` shares both bounds among its reads."""
+    8). A launch for a group of `reads` shares the 4 among its reads, not the byte bound: shared,
+    its fewer programs took 1.84 ms of site kernel per 1B delta step against 1.28."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
-    by_bytes = source_bytes // (8 * partial_bytes * reads)
+    by_bytes = source_bytes // (8 * partial_bytes)
     return min(token_blocks, 16 * multiprocessors,
                max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
 
