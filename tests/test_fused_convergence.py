@@ -93,7 +93,21 @@ def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
         assert torch.equal(checkpointed[name], grad), name  # recomputation reproduces the kernels bit for bit
 
 
-def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path):
+def group_sizes(monkeypatch) -> list[int]:
+    """Per grouped forward launch, the reads it computes (a gated read alone is a group of one)."""
+    sizes, forward_group = [], fused._forward_group
+
+    def spy(sources, table, reads, *args, **kwargs):
+        sizes.append(len(reads))
+        return forward_group(sources, table, reads, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_forward_group", spy)
+    return sizes
+
+
+def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch):
+    """Sharded, a layer holds only shards of the later layers' routers, so its sites read one
+    at a time (no grouped launch) and get the gradients the unsharded, grouped model gets."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -102,13 +116,17 @@ def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path):
     model = randomised(tiny_model("delta", "fused")).train()
     twin = copy.deepcopy(model)
     tokens = next(batches(1))
+    sizes = group_sizes(monkeypatch)
     expected = fused_gradients(twin, tokens)
+    assert sizes == [4, 1]  # blocks of 2 layers: layer 0's MLP read to layer 2's attention read, then layer 2's MLP read
+    sizes.clear()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         sharded = fused_gradients(model, tokens)
+        assert sizes == [1] * 5
         for name, grad in expected.items():
             torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
     finally:

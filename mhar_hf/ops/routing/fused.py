@@ -1,4 +1,4 @@
-"""The fused routing op: coverage check, launch configuration and the two autograd functions.
+"""The fused routing op: coverage check, launch configuration and its autograd functions.
 
 `FusedRoute` is one read. Its backward (`route_site_bwd_kernel`) computes the routing
 parameters' gradients and leaves a record (output gradient, lse, S, g*q) with every source it
@@ -11,6 +11,9 @@ chain (`_Chain`), so a read's one autograd input, its newest source, is enough t
 source's backward after its own: no autograd edge or saved tensor per source it reads.
 `FusedRoutePair` and `FusedRouteEnd` are the two reads of a split pair (`fused_route_and_start`),
 which share the forward's and the site backward's passes over their common sources.
+`FusedRouteGroup` is several reads of the same sources (`fused_route_group`, delta mode's reads
+between two block boundaries): one forward launch and one site launch serve them all, and each
+read leaves its own record, so the source kernel sees them as separate reads.
 """
 
 from __future__ import annotations
@@ -799,6 +802,7 @@ def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) ->
 
 
 def _group_flags(reads: Sequence[Read]) -> dict:
+    """A grouped launch's flags (every read of a group has what its first has)."""
     head = reads[0]
     return dict(HAS_NULL=head.null_source is not None, HAS_GATE=head.gate is not None, GROUPED=True)
 

@@ -34,6 +34,10 @@ S coming from its output (`route_total_kernel`, run when its output gradient arr
 writes that read's terms for the sources whose source kernels may run before the pair's site
 kernel). Source pairs share the source backward's pass: a source's launch also sums the terms of the source made
 before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER / HAS_INIT).
+Grouped reads (several reads of the same sources, delta mode's reads between two block
+boundaries) run in one launch each way (GROUPED): a program takes its read's parameters and
+output (gradient) from a read table, and the programs of one token block's reads run side by
+side, so each source comes from memory once and from L2 for the other reads.
 Nothing is accumulated with atomics: partial sums are per program, and `route_partials_kernel`
 sums them in a fixed order.
 """
