@@ -196,6 +196,20 @@ def test_delta_mode_block_entries():
     assert not hasattr(model.model, "final_router")
 
 
+def test_only_gated_routers_read_ahead():
+    model = build("delta")
+    layers = model.model.layers
+    with torch.no_grad():  # nonzero gates and queries: a read of zeros would match anything
+        for p in [*layers[0].mlp_router.parameters(), *layers[1].attn_router.parameters()]:
+            p.copy_(torch.randn_like(p))
+    ungated = MHARRouter(model.config, gated=False)
+    blocks = (torch.randn(1, 3, model.config.hidden_size),)
+    with pytest.raises(ValueError, match="gated routers of the same heads"):
+        layers[0].mlp_router(blocks, ahead=(layers[1].attn_router, ungated))
+    reads = layers[0].mlp_router(blocks, ahead=(layers[1].attn_router,))
+    assert len(reads) == 2 and torch.equal(reads[1], layers[1].attn_router(blocks))
+
+
 def test_delta_gradients():
     model = build("delta").train()
     tokens = ids()

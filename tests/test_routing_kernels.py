@@ -659,6 +659,20 @@ def test_a_dropped_step_frees_every_depth_source(mode):
         probes.clear()
 
 
+def test_a_group_of_unlike_reads_falls_back_with_one_warning(spies, recwarn):
+    """One launch serves a group only when its reads agree on having a null source and a gate."""
+    forward, *_ = spies
+    sources, params = group_inputs(3, 64, 5, 1, 2, True, torch.float32)
+    reads = [Read(*params[0]), Read(*params[1][:2], gate=params[1][3])]  # the second has no null source
+    for _ in range(2):
+        outs = route_group(sources, reads, 4, EPS, implementation="fused")
+    assert forward.launches == 0 and "null source and a gate" in str(recwarn[0].message)
+    assert len([w for w in recwarn if "reference routing op" in str(w.message)]) == 1
+    for out, read in zip(outs, reads, strict=True):
+        assert torch.equal(out, route_reference(sources, read.query, read.key_norm_weight, 4, EPS, read.null_source,
+                                                read.gate))
+
+
 def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
     forward, *_ = spies
     sources, query, norm_weight, _ = routing_inputs(3, 64, 5)
