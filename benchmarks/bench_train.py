@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import time
 from pathlib import Path
@@ -165,7 +166,7 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
         elif role == "end":
             out = fused_route(read, *second, heads, 1e-6, prefix=prefix)
         elif role == "group":
-            count = next((j for j, (_, r) in enumerate(sites[i + 1:]) if r != "ahead"), len(sites) - i - 1) + 1
+            count = 1 + sum(1 for _ in itertools.takewhile(lambda site: site[1] == "ahead", sites[i + 1:]))
             outs.extend(fused_route_group(read, [Read(*first, null, gate)] * count, heads, 1e-6))
             continue
         elif role == "ahead":

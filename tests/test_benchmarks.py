@@ -28,15 +28,19 @@ def source_launches(monkeypatch):
     return launches
 
 
-def test_step_reads_pair_sources_as_the_model_does(source_launches):
-    layers = 5
-    config = tiny_config(residual_mode="full", routing_implementation="fused", num_hidden_layers=layers)
+def model_step(mode: str, source_launches) -> tuple:
+    """A 5-layer tiny model's config, its routing sites and source launches in one step."""
+    config = tiny_config(residual_mode=mode, routing_implementation="fused", num_hidden_layers=5)
     model = MHARForCausalLM(config)
     sites = record_routing_sites(model)
     model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
     by_model = list(source_launches)
     source_launches.clear()
+    return config, sites, by_model
 
+
+def test_step_reads_pair_sources_as_the_model_does(source_launches):
+    config, sites, by_model = model_step("full", source_launches)
     width = config.hidden_size
     sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites))]
     first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
@@ -50,12 +54,7 @@ def test_step_reads_pair_sources_as_the_model_does(source_launches):
 def test_step_reads_group_reads_as_the_model_does(source_launches):
     """Delta mode: the same grouped reads (one forward launch per group) and the same number of
     reads summed by each source launch."""
-    config = tiny_config(residual_mode="delta", routing_implementation="fused", num_hidden_layers=5)
-    model = MHARForCausalLM(config)
-    sites = record_routing_sites(model)
-    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
-    by_model = list(source_launches)
-    source_launches.clear()
+    config, sites, by_model = model_step("delta", source_launches)
 
     width = config.hidden_size
     sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites) - 1)]

@@ -263,6 +263,13 @@ class SoftmaxState(NamedTuple):
     stat: torch.Tensor
 
 
+def _output_dtype(first, null_source, gate, residual=None) -> torch.dtype:
+    """A read's output dtype, as route_reference gives it: the mix has the dtype of its source 0
+    (the null source where there is one), promoted with the gate's and the residual's."""
+    dtype = first.dtype if null_source is None else null_source.dtype
+    return dtype if gate is None else gated_dtype(gate, residual, dtype)
+
+
 def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse,
              second=None, init: SoftmaxState | None = None):
     """One read's output and lse. `second` = (query, key-norm weight) of a read begun over the same
@@ -271,10 +278,7 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
     width = first.shape[-1]
     tokens = first.numel() // width
     launch = _kernel_args("forward", width, num_heads)
-    dtype = first.dtype if null_source is None else null_source.dtype
-    if gate is not None:
-        dtype = gated_dtype(gate, residual, dtype)
-    out = _empty(first.shape, dtype=dtype, device=first.device)
+    out = _empty(first.shape, dtype=_output_dtype(first, null_source, gate, residual), device=first.device)
     lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
     state = init
     if second is not None:
@@ -796,8 +800,7 @@ def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) ->
     for an absent null source or gate) and `lasts`, its output or output gradient."""
     addresses = []
     for read, last in zip(reads, lasts):
-        query, key_norm_weight, null_source, gate = _aligned(t if t is not None else read.query for t in read)
-        addresses += (*_addresses((query, key_norm_weight, null_source, gate, last)),)
+        addresses += _addresses((*_aligned(t if t is not None else read.query for t in read), last))
     return _address_table(tuple(addresses), device)
 
 
@@ -816,8 +819,8 @@ def _stand_ins(read: Read) -> tuple:
 
 
 def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
-    """fp32 [count, *shape], one block per read of a group, each 16-byte aligned (the source kernel reaches a read's blocks through its table; see
-    kernels._read_stride, which the kernels step by)."""
+    """fp32 [count, *shape], one block per read of a group, each 16-byte aligned (the source
+    kernel reaches a read's blocks through its table; kernels._read_stride steps by the same)."""
     numel = math.prod(shape)
     stride = triton.cdiv(numel, 4) * 4
     return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
@@ -829,9 +832,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     width = first.shape[-1]
     tokens = first.numel() // width
     head = reads[0]
-    dtype = first.dtype if head.null_source is None else head.null_source.dtype
-    if head.gate is not None:
-        dtype = gated_dtype(head.gate, None, dtype)
+    dtype = _output_dtype(first, head.null_source, head.gate)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
     lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
     launch = _kernel_args("group_forward", width, num_heads)
