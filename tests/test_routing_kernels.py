@@ -247,9 +247,9 @@ def test_a_residual_needs_a_gate():
         route_reference(sources, query, norm_weight, 4, EPS, null, torch.ones(2), sources[0])
 
 
-GROUP_SHAPES = [  # (sources, width, heads, tokens, batch, reads, gated)
+GROUP_SHAPES = [  # (sources, width, heads, tokens, batch, reads, gated); a program loops over token blocks
     pytest.param(3, 320, 2, 9, 2, 3, True, id="gated-head-width-160"),
-    pytest.param(4, 36, 12, 13, 1, 5, True, id="gated-H=12"),
+    pytest.param(4, 36, 12, 13, 3, 5, True, id="gated-H=12"),
     pytest.param(1, 64, 1, 37, 1, 2, True, id="gated-one-source-plus-null-H=1"),
     pytest.param(2, 64, 4, 21, 1, 1, True, id="gated-one-read"),
     pytest.param(5, 200, 2, 7, 1, 3, False, id="ungated-head-width-100"),

@@ -61,6 +61,7 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 PARTIALS_TILE = (1024, 8)
 PARTIALS_WARPS = 8
 SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
+GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
 
@@ -120,6 +121,20 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     by_bytes = source_bytes // (8 * partial_bytes)
     return min(token_blocks, 16 * multiprocessors,
                max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
+
+
+def _group_forward_programs(token_blocks: int, reads: int, device: torch.device) -> int:
+    """Programs per read of a grouped forward, each looping over token blocks, so that a read's
+    parameters are loaded, and its null source's logit computed, once per program rather than
+    once per token block. With one program per block and read, a 1B launch took 63 us for one
+    source and 9 us more per source, its L1 traffic at 80 % of peak (H200, ncu). Grouped forward
+    per step with one program per block, and with 8 / 16 / 32 per multiprocessor (H200): 100M
+    0.557, 0.458 / 0.452 / 0.465 ms; 350M 0.691, 0.626 / 0.600 / 0.606; 1B 0.509, 0.522 / 0.489 /
+    0.437 (`benchmarks/results/sweeps/grouped_reads.md`)."""
+    multiprocessors = _multiprocessors(device)
+    if not multiprocessors:
+        return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
+    return min(token_blocks, triton.cdiv(GROUP_FORWARD_PROGRAMS_PER_SM * multiprocessors, reads))
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
@@ -838,7 +853,8 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
-    kernels.route_fwd_kernel[(len(reads) * triton.cdiv(tokens, launch["BLOCK_T"]),)](
+    programs = _group_forward_programs(triton.cdiv(tokens, launch["BLOCK_T"]), len(reads), first.device)
+    kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
         outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], len(sources), len(reads), tokens,
         eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
