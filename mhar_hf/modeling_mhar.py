@@ -187,6 +187,9 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             self.attn_router = MHARRouter(config, gated) if layer_idx > 0 else None
             self.mlp_router = MHARRouter(config, gated)
             self.starts_block = layer_idx % config.layers_per_block == 0
+            # delta mode: the last layer of each block but the model's last makes the block's delta
+            self.ends_block = (layer_idx + 1) % config.layers_per_block == 0 and \
+                layer_idx + 1 < config.num_hidden_layers
             self.routing_implementation = config.routing_implementation
         # delta mode, a layer that starts a block: (layer, router name) of the later reads of the
         # blocks it completes, read together with its MLP read (MHARModel sets them). Names, not
@@ -224,10 +227,13 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return out if residual is None else residual + out
 
     def mlp_sublayer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None,
-                     read: torch.Tensor | None = None) -> torch.Tensor:
+                     read: torch.Tensor | None = None, boundary: torch.Tensor | None = None):
+        """With `boundary` (delta mode, a block's last layer): the output and its difference from
+        the stream at the block's start, the block's delta."""
         hidden_states = hidden_states if read is None else hidden_states + read
         out = self.mlp(self.post_attention_layernorm(hidden_states))
-        return out if residual is None else residual + out
+        out = out if residual is None else residual + out
+        return out if boundary is None else (out, out - boundary)
 
     def depth_source(self, tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
         """A tensor routing sites will read, marked where it is made, after the depth source made
@@ -262,18 +268,19 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def _forward_delta(self, residual, attend):
         stream, blocks, boundary, ahead = residual
         read = None
-        if self.attn_router is not None:
-            read, ahead = self._delta_read(self.attn_router, blocks, ahead)
+        if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
+            read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
         if self.starts_block:
-            delta = stream - boundary if blocks else stream
-            blocks = (*blocks, self.depth_source(delta, after=blocks[-1] if blocks else None))
-            boundary = stream
             routers = tuple(getattr(layer, name) for layer, name in self.reads_ahead)
             if routers and _unsharded(routers):
                 ahead = self.mlp_router(blocks, ahead=routers)
         stream = attend(stream, residual=stream, read=read)
         read, ahead = self._delta_read(self.mlp_router, blocks, ahead)
-        return self.mlp_sublayer(stream, residual=stream, read=read), blocks, boundary, ahead
+        if not self.ends_block:
+            return self.mlp_sublayer(stream, residual=stream, read=read), blocks, boundary, ahead
+        # the delta from the sublayer, where compiled it costs no kernel of its own either way
+        stream, delta = self.mlp_sublayer(stream, residual=stream, read=read, boundary=boundary)
+        return stream, (*blocks, self.depth_source(delta, after=blocks[-1])), stream, ahead
 
     @staticmethod
     def _delta_read(router, blocks, ahead):
@@ -348,8 +355,8 @@ class MHARModel(MHARPreTrainedModel):
             return (track(embeddings, self.config.routing_implementation),)
         if mode == "block":
             return (), track(embeddings, self.config.routing_implementation)
-        if mode == "delta":
-            return embeddings, (), embeddings, ()
+        if mode == "delta":  # the embedding is the first block
+            return embeddings, (track(embeddings, self.config.routing_implementation),), embeddings, ()
         return embeddings
 
     def final_hidden(self, residual) -> torch.Tensor:
