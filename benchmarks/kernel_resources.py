@@ -40,7 +40,7 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("site", "grouped, gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
     ("site_few", "whole", kernels.route_site_bwd_kernel, {}),
     ("source", "alone", kernels.route_source_bwd_kernel, {}),
-    ("source", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
+    ("source_paired", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
 ]
 FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED")

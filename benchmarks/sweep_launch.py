@@ -28,14 +28,15 @@ from mhar_hf.ops.routing import fused
 CHOICES = {  # (token rows per program, padded elements per warp, pipeline stages)
     "forward": list(itertools.product((1, 2), (512, 1024, 2048), (2, 3))),
     "site": list(itertools.product((1, 2), (256, 512, 1024), (2, 3))),
-    "source": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (2, 3))),
+    **dict.fromkeys(("source", "source_paired"), list(itertools.product((1, 2, 4), (1024, 2048, 4096), (2, 3)))),
     "site_few": list(itertools.product((1, 2, 4), (320, 640, 1280), (2, 3))),
     "group_forward": list(itertools.product((0, 1, 2, 4), (1024, 2048), (2, 3))),  # rows 0: as fit one warp
 }
 
 
 KERNEL = {"forward": "route_fwd_kernel", "site": "route_site_bwd_kernel", "source": "route_source_bwd_kernel",
-          "site_few": "route_site_bwd_kernel", "group_forward": "route_fwd_kernel"}
+          "source_paired": "route_source_bwd_kernel", "site_few": "route_site_bwd_kernel",
+          "group_forward": "route_fwd_kernel"}
 
 
 def model_sites(preset: str, mode: str) -> list[tuple[int, str]]:

@@ -27,7 +27,7 @@ def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps
                    capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
     (the HAS_* constexprs; those it does not take are ignored), tile and launch shape."""
-    block_p, block_d = PARTIALS_TILE
+    block_p, block_d = PARTIALS_TILE["read"]
     constants = {**flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages, "BLOCK_P": block_p,
                  "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}

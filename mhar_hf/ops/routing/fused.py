@@ -40,9 +40,12 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
 # its software-pipelined loop (kernels.py). Each was chosen by its own GPU time in one step's reads at
 # every preset (H200, full H = 8; benchmarks/results/sweeps/read_terms.md), the reads made as the
-# model makes them (source pairs included). Source: two rows per program share each read's g*q,
+# model makes them (source pairs included). Source: rows per program share each read's g*q,
 # which the source kernel loads for every read (4 bytes per column, twice its output gradient's
-# row); at 350M a paired launch spills a little there and is still a third faster than one row.
+# row). A paired launch (`source_paired`) takes two: at 350M it spills a little there and is still
+# a third faster than one row, and four were slower at 1B (4.13 to 4.47 ms per full-mode step).
+# Unpaired, four (H200, ms per step, two rows against four: delta 100M 0.74 to 0.48, 350M 0.63 to
+# 0.51, 1B 0.67 to 0.55; block 100M 0.85 to 0.57, 350M and 1B within 2 %).
 # Site: 640 elements per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms
 # against 4.6 per step. Check a change on the step (`sweep_launch.py --on-step`) and for spills
 # (kernel_resources.py).
@@ -52,13 +55,15 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Grouped forwards (delta mode) take as many token rows as fit one warp's elements (rows 0): H200,
 # ms of grouped forward per step against one row: 100M 0.80 to 0.60 (4 rows), 350M 0.85 to 0.74 (2);
 # one row of 1280 at 1B, where two rows or two warps per row were slower.
-LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (2, 2048, 3), "total": (1, 512),
-          "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
+LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (4, 2048, 3), "source_paired": (2, 2048, 3),
+          "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
-# 16 x SM partials per column; 32 bytes per row is one memory sector.
-PARTIALS_TILE = (1024, 8)
+# 16 x SM partials per column; 32 bytes per row is one memory sector. A group's launch sums the
+# rows of all its reads, a grid R times larger: there 32 columns per program (H200, delta, ms per
+# step: 100M 0.075 to 0.062, 350M 0.132 to 0.091, 1B 0.231 to 0.082).
+PARTIALS_TILE = {"read": (1024, 8), "group": (256, 32)}
 PARTIALS_WARPS = 8
 SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
 GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
@@ -493,7 +498,7 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
     addresses, converted = _reader_table(records, partner) if records else ([], [])
     width = source.shape[-1]
     tokens = source.numel() // width
-    launch = _kernel_args("source", width, heads)
+    launch = _kernel_args("source" if partner is None else "source_paired", width, heads)
     grad = _empty(source.shape, dtype=source.dtype, device=source.device)
     grad_in = grad_in.contiguous() if grad_in is not None else None
     # pointer types for the table's loads, and a stand-in for pointers a launch does not use
@@ -591,16 +596,16 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     return (grads[0], grads[1], dnull, dgates[0] if has_gate else None), record, second_grads
 
 
-def _sum_partials(partials, programs: int, width: int, params, gates):
+def _sum_partials(partials, programs: int, width: int, params, gates, tile: str = "read"):
     """The gradients of `params` (one per row of the site kernel's partial sums) and of `gates`
     (one [programs] row each after those), from one route_partials_kernel launch (torch's
     strided sum, its cast and the gate's sum and cast took four per delta read: 1.2 ms of a 1B
-    step)."""
+    step); `tile` names its PARTIALS_TILE."""
     mixed = len({p.dtype for p in params}) > 1
     rows = len(params)
     sums = _empty((rows, width), dtype=torch.float32 if mixed else params[0].dtype, device=partials.device)
     dgate = _empty((len(gates),), dtype=gates[0].dtype, device=partials.device) if gates else sums
-    block_p, block_d = PARTIALS_TILE if not _interpreted() else (32, 64)  # the interpreter: few programs
+    block_p, block_d = PARTIALS_TILE[tile] if not _interpreted() else (32, 64)  # the interpreter: few programs
     kernels.route_partials_kernel[(rows + len(gates), triton.cdiv(width, block_d))](
         partials, sums, dgate, programs, rows, D=width, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=PARTIALS_WARPS,
     )
@@ -888,8 +893,8 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]
     params = [t for read in reads for t in read[:rows]]
-    grads, dgates = _sum_partials(partials, programs, width, params, [read.gate for read in reads] if flags["HAS_GATE"]
-                                  else [])
+    grads, dgates = _sum_partials(partials, programs, width, params,
+                                  [read.gate for read in reads] if flags["HAS_GATE"] else [], tile="group")
     per_read = [(*grads[r * rows:(r + 1) * rows], *dgates[r:r + 1]) for r in range(count)]
     return per_read, records
 
