@@ -3,6 +3,7 @@
     python benchmarks/sweep_launch.py --presets 100M 350M
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
     python benchmarks/sweep_launch.py --presets 1B --mode block --kinds site_few
+    python benchmarks/sweep_launch.py --mode delta --constant GROUP_FORWARD_PROGRAMS_PER_SM 8 16 32
 
 For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows
 per program, tile elements per warp, pipeline stages) choice of one kernel is timed by that
@@ -11,11 +12,14 @@ kernel's own GPU time in one step's reads (forward + backward), the other kernel
 (`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
 the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
 speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
+With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile)
+is swept instead, and every routing kernel's time is printed per value.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 
 import torch
@@ -68,6 +72,19 @@ def step_ms(preset: str, mode: str = "full") -> float:
     return ms
 
 
+def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float) -> None:
+    default = getattr(fused, name)
+    for preset in presets:
+        config = MHARConfig.from_preset(preset)
+        batch, seq = MICRO_BATCH[preset]
+        sites = model_sites(preset, mode)
+        for value in values:
+            setattr(fused, name, ast.literal_eval(value))
+            figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
+            print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
+        setattr(fused, name, default)
+
+
 def parse_choice(text: str) -> tuple[int, int, int]:
     try:
         rows, per_warp, stages = (int(v) for v in text.split(","))
@@ -85,8 +102,13 @@ def main():
                         help="try only these shapes (for every kind swept)")
     parser.add_argument("--on-step", action="store_true",
                         help="time the whole training step per choice, and the plain model's step in the same run")
+    parser.add_argument("--constant", nargs="+", metavar="NAME VALUE",
+                        help="sweep this constant of mhar_hf.ops.routing.fused over these values (Python literals)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    if args.constant:
+        sweep_constant(args.presets, args.mode, *args.constant, bandwidth=bandwidth)
+        return
     defaults = dict(fused.LAUNCH)
     for preset in args.presets:
         config = MHARConfig.from_preset(preset)

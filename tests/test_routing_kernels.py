@@ -451,6 +451,8 @@ def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads
     rest (its other reads, its other uses)."""
     monkeypatch.setattr(fused, "PARTNER_MIN_READS", 3)
     _, _, source_kernel, _ = spies
+    kinds, kernel_args = [], fused._kernel_args  # the launch shape each kernel asks for
+    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
     sources = routing_inputs(3, 64, 11, batch=2)[0]
     params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(4)]
 
@@ -473,6 +475,7 @@ def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads
         assert torch.isfinite(leaf.grad).all() and rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
     assert source_kernel.launches == 3
     assert (source_kernel.count("HAS_PARTNER"), source_kernel.count("HAS_INIT")) == (1, 1)
+    assert sorted(kind for kind in kinds if kind.startswith("source")) == ["source", "source", "source_paired"]
 
 
 def test_reads_with_outputs_of_two_dtypes():
