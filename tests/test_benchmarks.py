@@ -67,3 +67,18 @@ def test_step_reads_group_reads_as_the_model_does(source_launches):
     # blocks of 3 layers: layer 0's MLP read to layer 3's attention read, then layer 3's MLP read on
     assert roles.count("group") == 2 and roles.count("ahead") == 7
     assert len(outs) == len(sites) and source_launches == by_model
+
+
+def test_sweep_constant_times_each_value_and_restores_the_default(monkeypatch, capsys):
+    import sweep_launch
+
+    seen = []
+    monkeypatch.setattr(sweep_launch, "model_sites", lambda preset, mode: [(3, "group"), (3, "ahead")])
+    monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: seen.append(fused.PARTIALS_TILE) or
+                        {"fwd_bwd_kernels_ms": {"route_partials_kernel": float(len(seen))}})
+    default = fused.PARTIALS_TILE
+    sweep_launch.sweep_constant(["100M"], "delta", "PARTIALS_TILE", "{'read': (8, 8), 'group': (4, 4)}",
+                                "{'read': (2, 2), 'group': (1, 1)}", bandwidth=1.0)
+    assert seen == [{"read": (8, 8), "group": (4, 4)}, {"read": (2, 2), "group": (1, 1)}]
+    assert fused.PARTIALS_TILE is default
+    assert capsys.readouterr().out.count("100M PARTIALS_TILE=") == 2

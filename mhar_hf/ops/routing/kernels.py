@@ -212,16 +212,15 @@ def route_fwd_kernel(
             m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
             l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
             acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
-        elif HAS_NULL:  # the null source folded in first, its mix term left for the end
-            m = tl.zeros([BLOCK_T, H_PAD], tl.float32) + null_logit
-            l = tl.full([BLOCK_T, H_PAD], 1.0, tl.float32)
-            acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-            acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         else:
-            m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
             acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
             acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+            if HAS_NULL:  # the null source folded in first, its mix term left for the end
+                m = tl.zeros([BLOCK_T, H_PAD], tl.float32) + null_logit
+                l = tl.full([BLOCK_T, H_PAD], 1.0, tl.float32)
+            else:
+                m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         if HAS_SECOND:
             m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
             l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
