@@ -169,13 +169,13 @@ def route_fwd_kernel(
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
 
-    A program computes token blocks pid, pid + programs, ... (one each where the grid has one
-    program per block): with several, it loads the read's parameters and folds in the null source's
-    logit once for all of them.
     GROUPED: program p * num_reads + r is program p of read r of a group of reads of these
     sources; `reads` is the group's read table (READ_FIELDS), the lse one block per read
-    (_read_stride apart), and a gated read's output gate * mix, with no residual. The reads of one
-    token block run side by side, so their sources come from L2 after the first.
+    (_read_stride apart), and a gated read's output gate * mix, with no residual. A program
+    computes token blocks p, p + programs, ...: it loads its read's parameters and computes the
+    null source's logit once for all of them. The programs of the reads run side by side, so a
+    token block's sources come from L2 after the first read. Otherwise a program computes one
+    token block (`_forward_rows`).
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
@@ -183,74 +183,98 @@ def route_fwd_kernel(
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
     if GROUPED:
-        read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
-        programs = tl.num_programs(0) // num_reads
+        read = tl.program_id(0) % num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
         lse_ptr += read * _read_stride(T * H)
-    else:
-        pid, programs = tl.program_id(0), tl.num_programs(0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
+    # what a launch without a second read, a null source or a gate does not use gets a stand-in
     if HAS_SECOND:
         gq2_lo, gq2_hi = _load_gq(g2_ptr, q2_ptr, *cols)
+    else:
+        gq2_lo, gq2_hi = gq_lo, gq_hi
     if HAS_NULL:  # the null source, one vector shared by every token: its logit per head, once
         null_lo, null_hi = _load_vector(null_ptr, *cols)
         null_lo, null_hi = null_lo[None, :, :], null_hi[None, :, :]
         null_logit = _head_dots(null_lo, null_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * \
             _rstd(null_lo, null_hi, eps, D)[:, None]  # [1, H_PAD]
-    if HAS_GATE:
-        gate = tl.load(gate_ptr).to(tl.float32)
+    else:
+        null_logit = tl.zeros([1, H_PAD], tl.float32)
+    gate = tl.load(gate_ptr).to(tl.float32) if HAS_GATE else 1.0
+    # the constexprs are passed after the tuple: inside one they would not stay constexprs
+    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, gq_lo, gq_hi,
+            gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi, num_sources, T, eps)
+    if GROUPED:  # program p of each read: token blocks p, p + programs, ...
+        programs = tl.num_programs(0) // num_reads
+        for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
+            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H, H_PAD,
+                          DH_LO, DH_HI, BLOCK_T, STAGES)
+    else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
+        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H,
+                      H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES)
 
-    for block in range(pid, tl.cdiv(T, BLOCK_T), programs):
-        tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_offs = tok[:, None, None].to(tl.int64) * D
-        in_range = (tok < T)[:, None, None]
-        stat_offs = tok[:, None] * H + head[None, :]
-        stat_mask = (tok < T)[:, None] & (head < H)[None, :]
-        if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
-            m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
-            l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
-            acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
+
+@triton.jit
+def _forward_rows(
+    block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
+    gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
+    num_sources, T, eps,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
+    BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+):
+    """route_fwd_kernel's work on token block `block`, given what its program computed once."""
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_offs = tok[:, None, None].to(tl.int64) * D
+    in_range = (tok < T)[:, None, None]
+    stat_offs = tok[:, None] * H + head[None, :]
+    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
+        m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
+        l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
+        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
+    else:
+        acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        if HAS_NULL:  # the null source folded in first, its mix term left for the end
+            m = tl.zeros([BLOCK_T, H_PAD], tl.float32) + null_logit
+            l = tl.full([BLOCK_T, H_PAD], 1.0, tl.float32)
         else:
-            acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-            acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-            if HAS_NULL:  # the null source folded in first, its mix term left for the end
-                m = tl.zeros([BLOCK_T, H_PAD], tl.float32) + null_logit
-                l = tl.full([BLOCK_T, H_PAD], 1.0, tl.float32)
-            else:
-                m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
-                l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+            m = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+    if HAS_SECOND:
+        m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+        acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+        acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+    for n in tl.range(0, num_sources, num_stages=STAGES):
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+        rstd = _rstd(x_lo, x_hi, eps, D)
+        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
-            m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
-            l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-            acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-            acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        for n in tl.range(0, num_sources, num_stages=STAGES):
-            x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            rstd = _rstd(x_lo, x_hi, eps, D)
-            m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
-            if HAS_SECOND:
-                m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
-        if HAS_NULL:  # its weight now (loaded again: registers bound how many programs run at once)
-            again_lo, again_hi = _load_vector(null_ptr, *cols)
-            p_null = tl.exp(null_logit - m)[:, :, None]
-            acc_lo += p_null * again_lo[None, :, :]
-            acc_hi += p_null * again_hi[None, :, :]
-        inv = 1.0 / l[:, :, None]
-        out_lo, out_hi = acc_lo * inv, acc_hi * inv
-        if HAS_GATE:
-            out_lo, out_hi = gate * out_lo, gate * out_hi
-            if not GROUPED:
-                res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
-                out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
-        _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
-        if STORE_LSE:
-            tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
-        if HAS_SECOND:
-            _store_rows(prefix_acc_ptr, row_offs, in_range, acc2_lo, acc2_hi, *cols)
-            tl.store(prefix_stat_ptr + stat_offs, m2, mask=stat_mask)
-            tl.store(prefix_stat_ptr + T * H + stat_offs, l2, mask=stat_mask)
+            m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
+    if HAS_NULL:  # its weight now (loaded again: registers bound how many programs run at once)
+        again_lo, again_hi = _load_vector(null_ptr, *cols)
+        p_null = tl.exp(null_logit - m)[:, :, None]
+        acc_lo += p_null * again_lo[None, :, :]
+        acc_hi += p_null * again_hi[None, :, :]
+    inv = 1.0 / l[:, :, None]
+    out_lo, out_hi = acc_lo * inv, acc_hi * inv
+    if HAS_GATE:
+        out_lo, out_hi = gate * out_lo, gate * out_hi
+        if not GROUPED:
+            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
+            out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
+    _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
+    if STORE_LSE:
+        tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
+    if HAS_SECOND:
+        _store_rows(prefix_acc_ptr, row_offs, in_range, acc2_lo, acc2_hi, *cols)
+        tl.store(prefix_stat_ptr + stat_offs, m2, mask=stat_mask)
+        tl.store(prefix_stat_ptr + T * H + stat_offs, l2, mask=stat_mask)
 
 
 @triton.jit
