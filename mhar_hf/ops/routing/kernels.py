@@ -37,7 +37,9 @@ before it from the reads both have had (`route_source_bwd_kernel`, HAS_PARTNER /
 Grouped reads (several reads of the same sources, delta mode's reads between two block
 boundaries) run in one launch each way (GROUPED): a program takes its read's parameters and
 output (gradient) from a read table, and the programs of one token block's reads run side by
-side, so each source comes from memory once and from L2 for the other reads.
+side, so each source comes from memory once and from L2 for the other reads. Like the site
+kernel's, a grouped forward's programs loop over token blocks, doing a read's per-program work
+(its parameters, its null source's logit) once.
 Nothing is accumulated with atomics: partial sums are per program, and `route_partials_kernel`
 sums them in a fixed order.
 """
