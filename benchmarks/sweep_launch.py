@@ -72,16 +72,35 @@ def step_ms(preset: str, mode: str = "full") -> float:
     return ms
 
 
+def constant_error(name: str, *values: str) -> str | None:
+    """What is wrong with a --constant sweep (a sentence), or None."""
+    if not (name.isupper() and hasattr(fused, name)):
+        known = sorted(n for n in vars(fused) if n.isupper() and not n.startswith("_"))
+        return f"--constant: {name!r} is not a constant of mhar_hf.ops.routing.fused (one of {known})"
+    if not values:
+        return f"--constant {name}: give the values to sweep after the name"
+    for value in values:
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return f"--constant {name}: {value!r} is not a Python literal (quote tuples and dicts for the shell)"
+    return None
+
+
 def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float) -> None:
+    """Every routing kernel's time in one step's reads with fused.`name` set to each value in turn
+    (Python literals); the default comes back afterwards, also on an error."""
     default = getattr(fused, name)
-    for preset in presets:
-        config = MHARConfig.from_preset(preset)
-        batch, seq = MICRO_BATCH[preset]
-        sites = model_sites(preset, mode)
-        for value in values:
-            setattr(fused, name, ast.literal_eval(value))
-            figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
-            print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
+    try:
+        for preset in presets:
+            config = MHARConfig.from_preset(preset)
+            batch, seq = MICRO_BATCH[preset]
+            sites = model_sites(preset, mode)
+            for value in values:
+                setattr(fused, name, ast.literal_eval(value))
+                figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
+                print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
+    finally:
         setattr(fused, name, default)
 
 
@@ -105,6 +124,8 @@ def main():
     parser.add_argument("--constant", nargs="+", metavar="NAME VALUE",
                         help="sweep this constant of mhar_hf.ops.routing.fused over these values (Python literals)")
     args = parser.parse_args()
+    if args.constant and (error := constant_error(*args.constant)):
+        parser.error(error)
     bandwidth = copy_bandwidth()
     if args.constant:
         sweep_constant(args.presets, args.mode, *args.constant, bandwidth=bandwidth)

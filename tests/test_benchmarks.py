@@ -82,3 +82,13 @@ def test_sweep_constant_times_each_value_and_restores_the_default(monkeypatch, c
     assert seen == [{"read": (8, 8), "group": (4, 4)}, {"read": (2, 2), "group": (1, 1)}]
     assert fused.PARTIALS_TILE is default
     assert capsys.readouterr().out.count("100M PARTIALS_TILE=") == 2
+
+
+def test_sweep_constant_rejects_bad_input_before_any_gpu_work():
+    from sweep_launch import constant_error
+
+    assert "not a constant" in constant_error("NOPE", "1")
+    assert "not a constant" in constant_error("_tile", "1")  # functions and private names are not constants
+    assert "give the values" in constant_error("PARTIALS_TILE")
+    assert "not a Python literal" in constant_error("PARTIALS_TILE", "{'read': (8, 8)}", "{bad")
+    assert constant_error("GROUP_FORWARD_PROGRAMS_PER_SM", "8", "32") is None
