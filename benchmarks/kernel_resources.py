@@ -93,6 +93,7 @@ def main():
         for kind, variant, kernel, flags in VARIANTS:
             launch = fused._kernel_args(kind, width, args.heads)
             every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
+            every_flag["IN_PLACE"] = fused._stores_in_place(launch, every_flag["HAS_SECOND"])
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
                                       launch["STAGES"])
             registers, stack = resources(compiled, tool)

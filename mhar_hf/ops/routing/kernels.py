@@ -287,11 +287,27 @@ def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.cons
 
 
 @triton.jit
-def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p):
+def _store_sums(ptrs, values, mask, IN_PLACE: tl.constexpr):
+    """Store fp32 per-head sums ([BLOCK_T, H_PAD]) where the reduction left them. `tl.store` first
+    moves them to the layout it picks for the addresses, through shared memory behind a barrier:
+    in the site kernel's loop, two such round trips per source. With IN_PLACE (on a GPU: the
+    interpreter runs no assembly) every thread stores its copies itself, in the sums' layout;
+    the threads that hold one value store the same bits to the same address."""
+    if IN_PLACE:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred ok; setp.ne.b32 ok, $3, 0; @ok st.global.b32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptrs.to(tl.int64), values.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p, IN_PLACE: tl.constexpr):
     """A read's dots and P for its source n: block n of its terms ([sources, 2, T, H])."""
     block = terms_ptr + tl.cast(n, tl.int64) * 2 * T * H
-    tl.store(block + stat_offs, dots, mask=stat_mask)
-    tl.store(block + T * H + stat_offs, p, mask=stat_mask)
+    _store_sums(block + stat_offs, dots, stat_mask, IN_PLACE)
+    _store_sums(block + T * H + stat_offs, p, stat_mask, IN_PLACE)
 
 
 @triton.jit
@@ -303,6 +319,7 @@ def route_site_bwd_kernel(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -392,7 +409,7 @@ def route_site_bwd_kernel(
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
             rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
-            _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p)
+            _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
@@ -405,7 +422,7 @@ def route_site_bwd_kernel(
             if HAS_SECOND:
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
                 p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
-                _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2)
+                _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2, IN_PLACE)
                 w2 = tl.exp(dots2 * rstd[:, None] - lse2)
                 dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
@@ -425,7 +442,7 @@ def route_site_bwd_kernel(
             dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
         dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
         dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
-        tl.store(total_ptr + stat_offs, total, mask=stat_mask)
+        _store_sums(total_ptr + stat_offs, total, stat_mask, IN_PLACE)
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
@@ -507,7 +524,7 @@ def route_total_kernel(
     for n in range(first, num_sources):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
         dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
-        _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi))
+        _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
