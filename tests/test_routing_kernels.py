@@ -478,6 +478,21 @@ def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads
     assert sorted(kind for kind in kinds if kind.startswith("source")) == ["source", "source", "source_paired"]
 
 
+def test_site_shapes_of_few_source_reads(monkeypatch, heads=4):
+    """Few sources: an ungated read alone takes the `site_few` launch shape, a split pair's one
+    site launch keeps `site` (faster for pairs: fused.LAUNCH's notes)."""
+    kinds, kernel_args = [], fused._kernel_args
+    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
+    sources, q, g = routing_inputs(3, 64, 11)[:3]
+    params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    fused_route(leaves, q, g, heads, EPS).sum().backward()
+    assert [kind for kind in kinds if kind.startswith("site")] == ["site_few"]
+    kinds.clear()
+    sum(out.sum() for out in split_pair(leaves, params, 2, heads, fused=True)).backward()
+    assert [kind for kind in kinds if kind.startswith("site")] == ["site"]
+
+
 def test_reads_with_outputs_of_two_dtypes():
     """A 16-bit source read by a site whose fp32 null source makes its output fp32 (fp32 routing
     parameters over 16-bit activations) and by a site without one: both reads reach the source."""

@@ -49,9 +49,12 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 # Site: 640 elements per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms
 # against 4.6 per step. Check a change on the step (`sweep_launch.py --on-step`) and for spills
 # (kernel_resources.py).
-# Ungated reads of few sources (block mode, full mode's first layers) take their own site shape:
-# two token rows per program, half the warps per row (1B block: 1.46 to 1.37 ms of site kernel per
-# step, 100M 1.18 to 0.90; delta mode's gated reads were slower so: 1B 1.46 to 2.43 ms).
+# Ungated, unpaired reads of few sources (block mode, full mode's first layers) take their own
+# site shape: two token rows per program, half the warps per row (1B block: 1.46 to 1.37 ms of
+# site kernel per step, 100M 1.18 to 0.90; delta mode's gated reads were slower so: 1B 1.46 to
+# 2.43 ms). A split pair's launch keeps `site`: with stores in place, full mode's site kernels
+# took 3.91 / 4.43 ms per step (350M / 1B) with its few-source reads (pairs) at (2, 1280, 3),
+# 3.45 / 4.09 at (1, 640, 3).
 # Grouped forwards (delta mode) take as many token rows as fit one warp's elements (rows 0): H200,
 # ms of grouped forward per step against one row: 100M 0.80 to 0.60 (4 rows), 350M 0.85 to 0.74 (2);
 # one row of 1280 at 1B, where two rows or two warps per row were slower.
@@ -577,7 +580,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     first = sources[0]
     width, device = first.shape[-1], first.device
     tokens = first.numel() // width
-    few = gate is None and len(sources) <= FEW_SOURCES
+    few = gate is None and second is None and len(sources) <= FEW_SOURCES
     launch = _kernel_args("site_few" if few else "site", width, num_heads)
     has_null, has_gate = null_source is not None, gate is not None
     params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
