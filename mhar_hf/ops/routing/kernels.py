@@ -344,7 +344,9 @@ def route_site_bwd_kernel(
     GROUPED: program p * num_reads + r is program p of read r of a group of reads of these
     sources (see route_fwd_kernel), `reads` its read table (the last field the output
     gradient). Per read the lse, S, g*q and terms are blocks _read_stride apart; the partial
-    sums are [reads, rows, programs, D], then the gates' [reads, programs]."""
+    sums are [reads, rows, programs, D], then the gates' [reads, programs].
+
+    IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums)."""
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
