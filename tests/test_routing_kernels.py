@@ -723,6 +723,12 @@ def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
         fused._kernel_args.cache_clear()
 
 
+def run_without_interpreter(script: str) -> subprocess.CompletedProcess:
+    """A Python script run in a fresh process with TRITON_INTERPRET unset (this process set it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
@@ -742,8 +748,7 @@ def test_kernels_compile_for_sm90():
             compile_kernel(kernel, flags, width, heads, rows, warps)
         print("compiled")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    result = run_without_interpreter(script)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
@@ -764,8 +769,18 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
 
         print("changes", changes_in_source_loop(True), changes_in_source_loop(False))
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
     in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split())
     assert in_place == 0 and through_store >= 2, result.stdout
+
+
+@pytest.mark.parametrize("interpreted, hip, warps, second, in_place", [
+    (False, None, 2, True, True), (False, None, 1, False, True), (False, None, 1, True, False),
+    (True, None, 2, False, False), (False, "6.2", 2, False, False)])
+def test_which_site_launches_store_in_place(monkeypatch, interpreted, hip, warps, second, in_place):
+    """The in-place store is NVIDIA assembly (not under the interpreter, nor on ROCm), and a
+    one-warp launch with a second read keeps tl.store."""
+    monkeypatch.setattr(fused, "_interpreted", lambda: interpreted)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert fused._stores_in_place({"num_warps": warps}, second) is in_place

@@ -109,12 +109,13 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
 
 def _stores_in_place(launch: dict, second: bool) -> bool:
     """Whether a site launch stores its per-head sums from the threads that hold them
-    (kernels._store_sums): on a GPU, save a one-warp launch with a second read, whose layout
-    change needs no barrier and whose in-place stores are twice as many. H200, ms of site kernel
-    per step without and with: delta 1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B),
-    block 0.90 / 1.32 / 1.37 to 0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 /
-    4.43 (the 100M full pairs in place: 2.47)."""
-    return not _interpreted() and (launch["num_warps"] > 1 or not second)
+    (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
+    not in a one-warp launch with a second read, whose layout change needs no barrier and whose
+    in-place stores are twice as many. H200, ms of site kernel per step without and with: delta
+    1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
+    0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
+    place: 2.47)."""
+    return not _interpreted() and torch.version.hip is None and (launch["num_warps"] > 1 or not second)
 
 
 @functools.cache
