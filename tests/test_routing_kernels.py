@@ -444,15 +444,21 @@ def test_a_begun_read_ends_once_with_its_sources_and_query():
         fused_route(sources, q2.requires_grad_(), g2, 4, EPS, prefix=prefix)
 
 
+@pytest.fixture
+def launch_kinds(monkeypatch) -> list[str]:
+    """The launch shape (fused.LAUNCH kind) each kernel launch asks for, in order."""
+    kinds, kernel_args = [], fused._kernel_args
+    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
+    return kinds
+
+
 @pytest.mark.parametrize("own_read", [True, False], ids=["partner-has-its-own-read", "partner-has-no-other-read"])
-def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads=4):
+def test_paired_sources_match_fp64_reference(spies, monkeypatch, launch_kinds, own_read, heads=4):
     """Sources made and read in the model's order: the newest source's launch also sums, for the
     source made before it, the terms of the reads they share, and that source's launch adds the
     rest (its other reads, its other uses)."""
     monkeypatch.setattr(fused, "PARTNER_MIN_READS", 3)
     _, _, source_kernel, _ = spies
-    kinds, kernel_args = [], fused._kernel_args  # the launch shape each kernel asks for
-    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
     sources = routing_inputs(3, 64, 11, batch=2)[0]
     params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(4)]
 
@@ -475,22 +481,20 @@ def test_paired_sources_match_fp64_reference(spies, monkeypatch, own_read, heads
         assert torch.isfinite(leaf.grad).all() and rel_rms(leaf.grad, twin.grad) < 1e-5, f"source {i}"
     assert source_kernel.launches == 3
     assert (source_kernel.count("HAS_PARTNER"), source_kernel.count("HAS_INIT")) == (1, 1)
-    assert sorted(kind for kind in kinds if kind.startswith("source")) == ["source", "source", "source_paired"]
+    assert sorted(kind for kind in launch_kinds if kind.startswith("source")) == ["source", "source", "source_paired"]
 
 
-def test_site_shapes_of_few_source_reads(monkeypatch, heads=4):
+def test_site_shapes_of_few_source_reads(launch_kinds, heads=4):
     """Few sources: an ungated read alone takes the `site_few` launch shape, a split pair's one
     site launch keeps `site` (faster for pairs: fused.LAUNCH's notes)."""
-    kinds, kernel_args = [], fused._kernel_args
-    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
     sources, q, g = routing_inputs(3, 64, 11)[:3]
     params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
     leaves = [s.detach().clone().requires_grad_() for s in sources]
     fused_route(leaves, q, g, heads, EPS).sum().backward()
-    assert [kind for kind in kinds if kind.startswith("site")] == ["site_few"]
-    kinds.clear()
+    assert [kind for kind in launch_kinds if kind.startswith("site")] == ["site_few"]
+    launch_kinds.clear()
     sum(out.sum() for out in split_pair(leaves, params, 2, heads, fused=True)).backward()
-    assert [kind for kind in kinds if kind.startswith("site")] == ["site"]
+    assert [kind for kind in launch_kinds if kind.startswith("site")] == ["site"]
 
 
 def test_reads_with_outputs_of_two_dtypes():
