@@ -117,12 +117,17 @@ def shard(model, world: int, rank: int, store) -> None:
     fully_shard(model)
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["sharded", "layer-1-unsharded-early"])
-def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, early):
+@pytest.mark.parametrize("variant, sizes_seen", [
+    ("sharded", [4, 1]),
+    ("checkpointed", [4, 1, 1, 4]),  # the backward recomputes each group, gathering again
+    ("layer-1-unsharded-early", [1] * 5),
+])
+def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
     """Sharded, a layer holds only shards of the later layers' routers: a block's first layer
-    gathers them and computes the block's reads together, as unsharded, with the same gradients.
-    A layer unsharded early (as by prefetching) frees its whole parameters after its forward,
-    before the group's backward would need them: then its routers read in its own forward."""
+    gathers them and computes the block's reads together, as unsharded, with the same gradients
+    (also under activation checkpointing, the training recipe's setting). A layer unsharded early
+    (as by prefetching) frees its whole parameters after its forward, before the group's backward
+    would need them: then its routers read in its own forward."""
     import torch.distributed as dist
 
     if DEVICE != "cpu":
@@ -134,12 +139,14 @@ def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, earl
     expected = fused_gradients(twin, tokens)
     assert sizes == [4, 1]  # blocks of 2 layers: layer 0's MLP read to layer 2's attention read, then layer 2's MLP read
     sizes.clear()
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable()
     shard(model, 1, 0, tmp_path / "store")
     try:
-        if early:
+        if variant == "layer-1-unsharded-early":
             model.model.layers[1].unshard()
         sharded = fused_gradients(model, tokens)
-        assert sizes == ([1] * 5 if early else [4, 1])
+        assert sizes == sizes_seen
         for name, grad in expected.items():
             torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
     finally:
