@@ -24,6 +24,7 @@ other tasks ran: two runs of the same task are paired item by item (see `mhar_hf
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import difflib
 import json
@@ -197,6 +198,21 @@ def _parse_batch_size(value: str | int) -> str | int:
     return size
 
 
+@contextlib.contextmanager
+def _without_git_record():
+    """The harness records the working directory's git commit by running `git describe`, which
+    prints "fatal: not a git repository" on the terminal outside one, once per task. The run
+    folder does not keep that record, so the harness is spared asking."""
+    import lm_eval.evaluator
+
+    asks = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = asks
+
+
 def evaluate(
     model_dir: str | os.PathLike,
     tasks: Sequence[str] = PAPER_TASKS,
@@ -245,12 +261,13 @@ def evaluate(
             # One harness call per task, same seeds: an item's presentation never depends on
             # which other tasks ran, so runs of one task pair up item by item.
             try:
-                result = simple_evaluate(
-                    lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True,
-                    gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
-                    random_seed=seed, numpy_random_seed=seed + 1234, torch_random_seed=seed + 1234,
-                    fewshot_random_seed=seed + 1234,
-                )
+                with _without_git_record():
+                    result = simple_evaluate(
+                        lm, tasks=[task], task_manager=manager, limit=limit, log_samples=True,
+                        gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
+                        random_seed=seed, numpy_random_seed=seed + 1234, torch_random_seed=seed + 1234,
+                        fewshot_random_seed=seed + 1234,
+                    )
             except ConnectionError as error:  # the model is loaded: only a dataset download is left
                 raise FileNotFoundError(
                     f"task {task!r}: its dataset could not be fetched ({error}). Offline, run the local "

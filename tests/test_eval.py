@@ -204,6 +204,18 @@ def test_include_path_adds_a_task_folder(workspace, tmp_path):
     assert not (run / "tasks").exists()
 
 
+def test_a_run_outside_a_git_repository_prints_no_git_error(workspace, tmp_path, monkeypatch, capfd):
+    """The harness asks git for the working directory's commit; outside a repository git's
+    complaint reached the terminal once per task (the demo run from a home folder showed four)."""
+    from mhar_hf.evaluate import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    evaluate(workspace["model_a"], ["gsm8k_local"], limit=1, batch_size=1, data_dir=workspace["data"],
+             output=tmp_path / "run", max_gen_toks=1, report=lambda _: None)
+    assert (tmp_path / "run" / "results.json").exists()
+    assert "not a git repository" not in capfd.readouterr().err
+
+
 def test_unknown_task_is_named_with_suggestions(workspace, capsys):
     code = main(["eval", str(workspace["model_a"]), "--tasks", "gsm8k_locl", "--data-dir", str(workspace["data"]),
                  "--output", str(workspace["root"] / "unknown")])
