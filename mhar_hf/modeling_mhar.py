@@ -44,7 +44,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_mhar import MHARConfig
 from .routing import Read, route, route_and_start, route_group, track
 
-if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole)
+if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole_here, _whole)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Partial, Replicate
 else:
