@@ -19,7 +19,7 @@ ARGUMENT_TYPES = dict(
                      "partner_ptr", "dgate_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
-                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr"), "*fp32"),
+                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr", "rstd_ptr"), "*fp32"),
 )
 
 

@@ -108,7 +108,7 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
 
 
 def _stores_in_place(launch: dict, second: bool) -> bool:
-    """Whether a site launch stores its per-head sums from the threads that hold them
+    """Whether a site launch (or a grouped forward, its rstd) stores its per-head sums from the threads that hold them
     (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
     not in a one-warp launch with a second read, whose layout change needs no barrier and whose
     in-place stores are twice as many. H200, ms of site kernel per step without and with: delta
@@ -322,9 +322,9 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, lse)), len(sources), 1, tokens, eps,
+        q2, g2, *(state if state is not None else (out, lse)), lse, len(sources), 1, tokens, eps,
         HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
-        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
+        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, IN_PLACE=False, **launch,
     )
     return out, lse, (state if second is not None else None)
 
@@ -597,7 +597,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         table, table, first, null_source if has_null else query, query, key_norm_weight,
         gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
-                  else (lse, grad_out, total, terms)),
+                  else (lse, grad_out, total, terms)), lse,
         num_sources, len(sources), 1, tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
         IN_PLACE=_stores_in_place(launch, second is not None), **launch,
@@ -862,7 +862,8 @@ def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
 
 
 def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_lse):
-    """The outputs of a group of reads and their lse ([reads, T, H]; None unless `store_lse`)."""
+    """The outputs of a group of reads, their lse ([reads, T, H]) and each source's rstd
+    ([sources, T]), the last two None unless `store_lse`."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
@@ -870,19 +871,21 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     dtype = _output_dtype(first, head.null_source, head.gate)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
     lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
+    rstd = _empty((len(sources), tokens), dtype=torch.float32, device=first.device) if store_lse else None
     launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
     programs = _group_forward_programs(triton.cdiv(tokens, launch["BLOCK_T"]), len(reads), first.device)
     kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
-        outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], len(sources), len(reads), tokens,
-        eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
+        outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], outs[0] if rstd is None else rstd,
+        len(sources), len(reads), tokens, eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False,
+        IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
     )
-    return outs, lse
+    return outs, lse, rstd
 
 
-def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, grad_outs):
+def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, rstd, grad_outs):
     """The site kernel of a group of reads, in one launch: every read's parameter gradients
     (per read query, key-norm weight, then null source and gate where it has them) and records."""
     first = sources[0]
@@ -902,7 +905,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     null, query, key_norm_weight, gate = _stand_ins(head)
     kernels.route_site_bwd_kernel[(count * programs,)](
         table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
-        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
+        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd,
         len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
         **flags, **launch,
     )
@@ -923,17 +926,17 @@ class FusedRouteGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, layout, newest, *params):
         sources, table = _with_table(sources)
-        outs, lse = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_lse=True)
+        outs, lse, rstd = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_lse=True)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.layout = layout
-        ctx.save_for_backward(lse, *params)
+        ctx.save_for_backward(lse, rstd, *params)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        lse, *params = ctx.saved_tensors
+        lse, rstd, *params = ctx.saved_tensors
         reads = _unflatten(params, ctx.layout)
-        grads, records = _site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse,
+        grads, records = _site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse, rstd,
                                               _aligned(grad_outs))
         for record in records:
             _leave(ctx.marks, record)

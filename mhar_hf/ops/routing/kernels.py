@@ -123,12 +123,6 @@ def _rstd(x_lo, x_hi, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D: tl.constexpr):
-    """`_rstd`, and <x_h, (g*q)_h> per token and head."""
-    return _rstd(x_lo, x_hi, eps, D), _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
-
-
-@triton.jit
 def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
     """Fold one source (`rstd` its inverse RMS) into the running (max, sum, mix) of an online softmax."""
     logit = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * rstd[:, None]
@@ -161,12 +155,13 @@ def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
 @triton.jit
 def route_fwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
-    q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr,
+    q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
     num_sources, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
@@ -177,17 +172,20 @@ def route_fwd_kernel(
     computes token blocks p, p + programs, ...: it loads its read's parameters and computes the
     null source's logit once for all of them. The programs of the reads run side by side, so a
     token block's sources come from L2 after the first read. Otherwise a program computes one
-    token block (`_forward_rows`).
+    token block (`_forward_rows`). A grouped training forward (STORE_LSE) also writes each
+    source's rstd (`rstd`, fp32 [sources, T], from the group's first read) for the site kernel.
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
     (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
+    rstd_rows = 0  # the tokens whose rstd per source this program writes
     if GROUPED:
         read = tl.program_id(0) % num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
         lse_ptr += read * _read_stride(T * H)
+        rstd_rows = tl.where(read == 0, T, 0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
@@ -205,27 +203,28 @@ def route_fwd_kernel(
         null_logit = tl.zeros([1, H_PAD], tl.float32)
     gate = tl.load(gate_ptr).to(tl.float32) if HAS_GATE else 1.0
     # the constexprs are passed after the tuple: inside one they would not stay constexprs
-    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, gq_lo, gq_hi,
-            gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi, num_sources, T, eps)
+    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
+            rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
+            num_sources, T, eps)
     if GROUPED:  # program p of each read: token blocks p, p + programs, ...
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
             _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H, H_PAD,
-                          DH_LO, DH_HI, BLOCK_T, STAGES)
+                          DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
         _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H,
-                      H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES)
+                      H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
 
 
 @triton.jit
 def _forward_rows(
-    block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
-    gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
+    block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
+    rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
     num_sources, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
-    BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     """route_fwd_kernel's work on token block `block`, given what its program computed once."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -255,6 +254,8 @@ def _forward_rows(
     for n in tl.range(0, num_sources, num_stages=STAGES):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
         rstd = _rstd(x_lo, x_hi, eps, D)
+        if GROUPED and STORE_LSE:
+            _store_sums(rstd_ptr + tl.cast(n, tl.int64) * T + tok, rstd, tok < rstd_rows, IN_PLACE)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
@@ -280,10 +281,11 @@ def _forward_rows(
 
 
 @triton.jit
-def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.constexpr):
-    """For one source of one read: rstd [T], dots [T, H], weights w [T, H], P = <dout_h, x_h> [T, H]."""
-    rstd, dots = _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D)
-    return rstd, dots, tl.exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
+def _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi):
+    """For one source (`rstd` its inverse RMS per token) of one read: dots [T, H], weights w [T, H]
+    and P = <dout_h, x_h> [T, H]."""
+    dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+    return dots, tl.exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
 
 
 @triton.jit
@@ -314,7 +316,7 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 def route_site_bwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
-    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr, rstd_ptr,
     num_sources, num_second, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
@@ -346,7 +348,9 @@ def route_site_bwd_kernel(
     gradient). Per read the lse, S, g*q and terms are blocks _read_stride apart; the partial
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
-    IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums)."""
+    IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
+    GROUPED reads take each source's rstd from `rstd` (fp32 [sources, T], their forward's):
+    reduced here, it was one cross-warp sum per source and read."""
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
@@ -410,7 +414,11 @@ def route_site_bwd_kernel(
         w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
+            if GROUPED:
+                rstd = tl.load(rstd_ptr + tl.cast(n, tl.int64) * T + tok, mask=tok < T, other=1.0)
+            else:
+                rstd = _rstd(x_lo, x_hi, eps, D)
+            dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
@@ -430,7 +438,8 @@ def route_site_bwd_kernel(
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
         if HAS_NULL:
-            rstd, dots, w, p = _read_terms(null_lo, null_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
+            rstd = _rstd(null_lo, null_hi, eps, D)
+            dots, w, p = _read_terms(null_lo, null_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             total += w * p
             dlogit = w * (p - total)
             dlogit_rstd = dlogit[:, :, None] * rstd[:, None, None]
