@@ -94,6 +94,8 @@ def main():
             launch = fused._kernel_args(kind, width, args.heads)
             every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
             every_flag["IN_PLACE"] = fused._stores_in_place(launch, every_flag["HAS_SECOND"])
+            split = every_flag["HAS_SECOND"] or every_flag["HAS_INIT"]
+            every_flag["STORE_RSTD"] = every_flag["RSTD_TABLE"] = not split  # the split pairs compute rstd
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
                                       launch["STAGES"])
             registers, stack = resources(compiled, tool)

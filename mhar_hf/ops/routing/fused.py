@@ -108,13 +108,13 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
 
 
 def _stores_in_place(launch: dict, second: bool) -> bool:
-    """Whether a site launch (or a grouped forward, its rstd) stores its per-head sums from the threads that hold them
-    (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
-    not in a one-warp launch with a second read, whose layout change needs no barrier and whose
-    in-place stores are twice as many. H200, ms of site kernel per step without and with: delta
-    1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
-    0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
-    place: 2.47)."""
+    """Whether a launch stores its per-token sums (a site kernel's dots, P and S; a forward's rstd)
+    from the threads that hold them (kernels._store_sums, whose store is NVIDIA assembly: not
+    under the interpreter or ROCm), and not in a one-warp launch with a second read, whose layout
+    change needs no barrier and whose in-place stores are twice as many. H200, ms of site kernel
+    per step without and with: delta 1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B),
+    block 0.90 / 1.32 / 1.37 to 0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43
+    (the 100M full pairs in place: 2.47)."""
     return not _interpreted() and torch.version.hip is None and (launch["num_warps"] > 1 or not second)
 
 
@@ -304,10 +304,18 @@ def _output_dtype(first, null_source, gate, residual=None) -> torch.dtype:
     return dtype if gate is None else gated_dtype(gate, residual, dtype)
 
 
+def _rstd_table(sources) -> torch.Tensor:
+    """fp32 [sources, T]: each source's rstd, which a read's training forward writes and its site
+    kernel reads instead of summing each row again (not for split pairs: their forwards run apart)."""
+    first = sources[0]
+    return _empty((len(sources), first.numel() // first.shape[-1]), dtype=torch.float32, device=first.device)
+
+
 def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse,
-             second=None, init: SoftmaxState | None = None):
+             second=None, init: SoftmaxState | None = None, rstd: torch.Tensor | None = None):
     """One read's output and lse. `second` = (query, key-norm weight) of a read begun over the same
-    sources: its state comes back as a third value. `init`: the state this read starts from."""
+    sources: its state comes back as a third value. `init`: the state this read starts from.
+    `rstd` (fp32 [sources, T]) receives each source's rstd, for the site kernel."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
@@ -322,9 +330,10 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, lse)), lse, len(sources), 1, tokens, eps,
-        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
-        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, IN_PLACE=False, **launch,
+        q2, g2, *(state if state is not None else (out, lse)), lse if rstd is None else rstd, len(sources), 1,
+        tokens, eps, HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
+        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, STORE_RSTD=rstd is not None,
+        IN_PLACE=_stores_in_place(launch, False), **launch,
     )
     return out, lse, (state if second is not None else None)
 
@@ -546,29 +555,30 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual, newest):
         sources, table = _with_table(sources)
+        rstd = _rstd_table(sources)
         out, lse, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                               store_lse=True)
+                               store_lse=True, rstd=rstd)
         # the sources are held, not saved: the table points at them. (Under non-reentrant
         # activation checkpointing this keeps alive a source made and read inside one layer,
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse)
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, gate, lse = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, lse, rstd = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
-                                          null_source, gate, lse, grad_out)
+                                          null_source, gate, lse, grad_out, rstd=rstd)
         _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
 
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
-                   second=None):
+                   second=None, rstd=None):
     """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
     sources, table) of a split pair's second read, of that read too (whose sources start with
     this read's; the kernel writes that record's terms). Returns this read's parameter gradients
@@ -597,10 +607,10 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         table, table, first, null_source if has_null else query, query, key_norm_weight,
         gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
-                  else (lse, grad_out, total, terms)), lse,
+                  else (lse, grad_out, total, terms)), lse if rstd is None else rstd,
         num_sources, len(sources), 1, tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-        IN_PLACE=_stores_in_place(launch, second is not None), **launch,
+        IN_PLACE=_stores_in_place(launch, second is not None), RSTD_TABLE=rstd is not None, **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
@@ -871,7 +881,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     dtype = _output_dtype(first, head.null_source, head.gate)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
     lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
-    rstd = _empty((len(sources), tokens), dtype=torch.float32, device=first.device) if store_lse else None
+    rstd = _rstd_table(sources) if store_lse else None
     launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
@@ -880,7 +890,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
         outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], outs[0] if rstd is None else rstd,
         len(sources), len(reads), tokens, eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False,
-        IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
+        STORE_RSTD=store_lse, IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
     )
     return outs, lse, rstd
 
@@ -907,7 +917,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
         table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
         total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd,
         len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
-        **flags, **launch,
+        RSTD_TABLE=True, **flags, **launch,
     )
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]

@@ -158,7 +158,7 @@ def route_fwd_kernel(
     q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
     num_sources, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr, STORE_RSTD: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     IN_PLACE: tl.constexpr,
@@ -172,15 +172,18 @@ def route_fwd_kernel(
     computes token blocks p, p + programs, ...: it loads its read's parameters and computes the
     null source's logit once for all of them. The programs of the reads run side by side, so a
     token block's sources come from L2 after the first read. Otherwise a program computes one
-    token block (`_forward_rows`). A grouped training forward (STORE_LSE) also writes each
-    source's rstd (`rstd`, fp32 [sources, T], from the group's first read) for the site kernel.
+    token block (`_forward_rows`).
+
+    STORE_RSTD (the training forward of a read that is not split, or of a group): each source's
+    rstd also goes to `rstd` (fp32 [sources, T]; in a group, from its first read), which the site
+    kernel takes instead of summing each row again.
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
     (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
-    rstd_rows = 0  # the tokens whose rstd per source this program writes
+    rstd_rows = T  # the tokens whose rstd per source this program writes (in a group: its first read's)
     if GROUPED:
         read = tl.program_id(0) % num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
@@ -209,11 +212,11 @@ def route_fwd_kernel(
     if GROUPED:  # program p of each read: token blocks p, p + programs, ...
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
-            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H, H_PAD,
-                          DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
+            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, STORE_RSTD, GROUPED, D,
+                          H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
-        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H,
-                      H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
+        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, STORE_RSTD,
+                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
 
 
 @triton.jit
@@ -222,7 +225,7 @@ def _forward_rows(
     rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
     num_sources, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, STORE_RSTD: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
     BLOCK_T: tl.constexpr, STAGES: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
@@ -254,7 +257,7 @@ def _forward_rows(
     for n in tl.range(0, num_sources, num_stages=STAGES):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
         rstd = _rstd(x_lo, x_hi, eps, D)
-        if GROUPED and STORE_LSE:
+        if STORE_RSTD:
             _store_sums(rstd_ptr + tl.cast(n, tl.int64) * T + tok, rstd, tok < rstd_rows, IN_PLACE)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
@@ -290,9 +293,9 @@ def _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi):
 
 @triton.jit
 def _store_sums(ptrs, values, mask, IN_PLACE: tl.constexpr):
-    """Store fp32 per-head sums ([BLOCK_T, H_PAD]) where the reduction left them. `tl.store` first
-    moves them to the layout it picks for the addresses, through shared memory behind a barrier:
-    in the site kernel's loop, two such round trips per source. With IN_PLACE (on a GPU: the
+    """Store fp32 sums per token ([BLOCK_T, H_PAD] per head, or [BLOCK_T]) where the reduction
+    left them. `tl.store` first moves them to the layout it picks for the addresses, through
+    shared memory behind a barrier: in the site kernel's loop, two such round trips per source. With IN_PLACE (on a GPU: the
     interpreter runs no assembly) every thread stores its copies itself, in the sums' layout;
     the threads that hold one value store the same bits to the same address."""
     if IN_PLACE:
@@ -321,7 +324,7 @@ def route_site_bwd_kernel(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    IN_PLACE: tl.constexpr, RSTD_TABLE: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -349,8 +352,8 @@ def route_site_bwd_kernel(
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
     IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
-    GROUPED reads take each source's rstd from `rstd` (fp32 [sources, T], their forward's):
-    reduced here, it was one cross-warp sum per source and read."""
+    RSTD_TABLE (every read but a split pair): each source's rstd comes from `rstd` (fp32 [sources,
+    T], the read's forward's) instead of a sum over the row, a cross-warp sum per source and read."""
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
@@ -414,7 +417,7 @@ def route_site_bwd_kernel(
         w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            if GROUPED:
+            if RSTD_TABLE:
                 rstd = tl.load(rstd_ptr + tl.cast(n, tl.int64) * T + tok, mask=tok < T, other=1.0)
             else:
                 rstd = _rstd(x_lo, x_hi, eps, D)
