@@ -30,11 +30,11 @@ from mhar_hf.ops.routing.ahead import compile_kernel
 from sweep_launch import parse_choice
 
 VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a training step
-    ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_LSE=True)),
-    ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_SECOND=True)),
-    ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_INIT=True)),
+    ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_STATS=True)),
+    ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_STATS=True, HAS_SECOND=True)),
+    ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_STATS=True, HAS_INIT=True)),
     ("group_forward", "gated, null", kernels.route_fwd_kernel,
-     dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
+     dict(STORE_STATS=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
     ("site", "whole", kernels.route_site_bwd_kernel, {}),
     ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),
     ("site", "grouped, gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
@@ -43,7 +43,7 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("source_paired", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
 ]
-FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED")
+FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_STATS", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED")
 
 
 def cuobjdump() -> str:
@@ -94,8 +94,6 @@ def main():
             launch = fused._kernel_args(kind, width, args.heads)
             every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
             every_flag["IN_PLACE"] = fused._stores_in_place(launch, every_flag["HAS_SECOND"])
-            split = every_flag["HAS_SECOND"] or every_flag["HAS_INIT"]
-            every_flag["STORE_RSTD"] = every_flag["RSTD_TABLE"] = not split  # the split pairs compute rstd
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
                                       launch["STAGES"])
             registers, stack = resources(compiled, tool)

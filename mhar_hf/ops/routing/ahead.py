@@ -19,17 +19,18 @@ ARGUMENT_TYPES = dict(
                      "partner_ptr", "dgate_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
-                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr", "rstd_ptr"), "*fp32"),
+                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr", "rstd_ptr",
+                     "rstd2_ptr"), "*fp32"),
 )
 
 
 def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps: int, stages: int = 3,
                    capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
-    (the HAS_* constexprs; IN_PLACE, STORE_RSTD and RSTD_TABLE, by default on; those it does not
-    take are ignored), tile and launch shape."""
+    (the HAS_* constexprs, and IN_PLACE, by default as on a GPU; those it does not take are
+    ignored), tile and launch shape."""
     block_p, block_d = PARTIALS_TILE["read"]
-    constants = {"IN_PLACE": True, "STORE_RSTD": True, "RSTD_TABLE": True, **flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages,
+    constants = {"IN_PLACE": True, **flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages,
                  "BLOCK_P": block_p, "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}

@@ -289,6 +289,15 @@ def _with_table(sources) -> tuple[list[torch.Tensor], torch.Tensor]:
     return sources, _address_table(_addresses(sources), sources[0].device)
 
 
+class ReadStats(NamedTuple):
+    """What a read's training forward keeps for its backward: the per-head lse (fp32 [T, H]; a
+    group's [reads, T, H]) and each source's rstd (fp32 [sources, T]), which the site kernel
+    reads instead of summing each row again."""
+
+    lse: torch.Tensor
+    rstd: torch.Tensor
+
+
 class SoftmaxState(NamedTuple):
     """A read's online softmax after its leading sources: the unnormalised mix (fp32 [T, d]) and
     the running max and sum (fp32 [2, T, H])."""
@@ -305,37 +314,37 @@ def _output_dtype(first, null_source, gate, residual=None) -> torch.dtype:
 
 
 def _rstd_table(sources) -> torch.Tensor:
-    """fp32 [sources, T]: each source's rstd, which a read's training forward writes and its site
-    kernel reads instead of summing each row again (not for split pairs: their forwards run apart)."""
     first = sources[0]
     return _empty((len(sources), first.numel() // first.shape[-1]), dtype=torch.float32, device=first.device)
 
 
-def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse,
-             second=None, init: SoftmaxState | None = None, rstd: torch.Tensor | None = None):
-    """One read's output and lse. `second` = (query, key-norm weight) of a read begun over the same
-    sources: its state comes back as a third value. `init`: the state this read starts from.
-    `rstd` (fp32 [sources, T]) receives each source's rstd, for the site kernel."""
+def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_stats,
+             second=None, init: SoftmaxState | None = None):
+    """One read's output and, if `store_stats`, its ReadStats (else None). `second` = (query,
+    key-norm weight) of a read begun over the same sources: its state comes back as a third
+    value. `init`: the state this read starts from."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
     launch = _kernel_args("forward", width, num_heads)
     out = _empty(first.shape, dtype=_output_dtype(first, null_source, gate, residual), device=first.device)
-    lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
+    stats = None
+    if store_stats:
+        stats = ReadStats(_empty((tokens, num_heads), dtype=torch.float32, device=first.device), _rstd_table(sources))
     state = init
     if second is not None:
         state = SoftmaxState(_empty((tokens, width), dtype=torch.float32, device=first.device),
                              _empty((2, tokens, num_heads), dtype=torch.float32, device=first.device))
     q2, g2 = second if second is not None else (query, key_norm_weight)
+    lse, rstd = stats if stats is not None else (out, out)
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, lse)), lse if rstd is None else rstd, len(sources), 1,
-        tokens, eps, HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
-        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, STORE_RSTD=rstd is not None,
+        q2, g2, *(state if state is not None else (out, out)), rstd, len(sources), 1, tokens, eps, HAS_NULL=null_source is not None, HAS_GATE=gate is not None,
+        STORE_STATS=store_stats, HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False,
         IN_PLACE=_stores_in_place(launch, False), **launch,
     )
-    return out, lse, (state if second is not None else None)
+    return out, stats, (state if second is not None else None)
 
 
 class _Chain:
@@ -555,39 +564,40 @@ class FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual, newest):
         sources, table = _with_table(sources)
-        rstd = _rstd_table(sources)
-        out, lse, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                               store_lse=True, rstd=rstd)
+        out, stats, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads,
+                                 eps, store_stats=True)
         # the sources are held, not saved: the table points at them. (Under non-reentrant
         # activation checkpointing this keeps alive a source made and read inside one layer,
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse, rstd)
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, *stats)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, gate, lse, rstd = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, *stats = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
-                                          null_source, gate, lse, grad_out, rstd=rstd)
+                                          null_source, gate, ReadStats(*stats), grad_out)
         _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
 
 
-def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
-                   second=None, rstd=None):
+def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, stats: ReadStats,
+                   grad_out, second=None):
     """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
-    sources, table) of a split pair's second read, of that read too (whose sources start with
-    this read's; the kernel writes that record's terms). Returns this read's parameter gradients
-    (query, key-norm weight, null source, gate; None where absent), its record, and the second
-    read's two (None without one)."""
+    sources, table, rstd of the sources it adds) of a split pair's second read, of that read too
+    (whose sources start with this read's; the kernel writes that record's terms). Returns this
+    read's parameter gradients (query, key-norm weight, null source, gate; None where absent),
+    its record, and the second read's two (None without one)."""
     num_sources = len(sources)
+    lse, rstd = stats
     q2, g2, later = second[:3] if second is not None else (query, key_norm_weight, None)
+    rstd2 = rstd  # a stand-in without a second read
     if second is not None:
-        sources, table = second[3:]
+        sources, table, rstd2 = second[3:]
     first = sources[0]
     width, device = first.shape[-1], first.device
     tokens = first.numel() // width
@@ -607,10 +617,10 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         table, table, first, null_source if has_null else query, query, key_norm_weight,
         gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
-                  else (lse, grad_out, total, terms)), lse if rstd is None else rstd,
+                  else (lse, grad_out, total, terms)), rstd, rstd2,
         num_sources, len(sources), 1, tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-        IN_PLACE=_stores_in_place(launch, second is not None), RSTD_TABLE=rstd is not None, **launch,
+        IN_PLACE=_stores_in_place(launch, second is not None), **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
@@ -655,13 +665,14 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
 
 
 class _Pair:
-    """What the two reads of a split pair share: the second read's sources and table, set by its
-    forward, and its backward's record, which the first read's backward (always after it) takes."""
+    """What the two reads of a split pair share: the second read's sources, table and the rstd of
+    the sources it adds, set by its forward, and its backward's record, which the first read's
+    backward (always after it) takes."""
 
-    __slots__ = ("sources", "table", "second")
+    __slots__ = ("sources", "table", "rstd", "second")
 
     def __init__(self):
-        self.sources = self.table = self.second = None
+        self.sources = self.table = self.rstd = self.second = None
 
 
 class ReadPrefix:
@@ -697,17 +708,17 @@ class FusedRoutePair(torch.autograd.Function):
     def forward(ctx, num_heads, eps, sources, marks, pair, query, key_norm_weight, next_query, next_key_norm_weight,
                 newest):
         sources, table = _with_table(sources)
-        out, lse, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
-                                   store_lse=True, second=(next_query, next_key_norm_weight))
+        out, stats, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
+                                     store_stats=True, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
-        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse)
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
         return out, state.acc, state.stat
 
     @staticmethod
     def backward(ctx, grad_out, _acc, _stat):
-        query, key_norm_weight, next_query, next_key_norm_weight, lse = ctx.saved_tensors
+        query, key_norm_weight, next_query, next_key_norm_weight, *stats = ctx.saved_tensors
         later, pair = ctx.pair.second, ctx.pair
         pair.second = None
         if later is not None and later.task != torch._C._current_graph_task_id():
@@ -715,9 +726,11 @@ class FusedRoutePair(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(ctx.sources[0])
         (grad_out,) = _aligned((grad_out,))
-        second = (next_query, next_key_norm_weight, later, pair.sources, pair.table) if later is not None else None
+        second = ((next_query, next_key_norm_weight, later, pair.sources, pair.table, pair.rstd)
+                  if later is not None else None)
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
-                                                     key_norm_weight, None, None, lse, grad_out, second)
+                                                     key_norm_weight, None, None, ReadStats(*stats), grad_out,
+                                                     second)
         _leave(ctx.marks, record)
         return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
 
@@ -732,11 +745,11 @@ class FusedRouteEnd(torch.autograd.Function):
     def forward(ctx, num_heads, eps, sources, marks, prefix, acc, query, key_norm_weight, newest):
         sources, table = _with_table(sources)
         begun = len(prefix.sources)
-        out, lse, _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads,
-                               eps, store_lse=True, init=SoftmaxState(acc, prefix.state.stat))
+        out, (lse, rstd), _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None,
+                                       num_heads, eps, store_stats=True, init=SoftmaxState(acc, prefix.state.stat))
         # detached: the new sources are usually made from the first read's output, so holding
         # their marks would close a reference cycle through autograd nodes, which nothing frees
-        prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
+        prefix.pair.sources, prefix.pair.table, prefix.pair.rstd = [s.detach() for s in sources], table, rstd
         ctx.num_heads, ctx.eps, ctx.marks, ctx.pair, ctx.begun = num_heads, eps, marks, prefix.pair, begun
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
@@ -794,7 +807,7 @@ def fused_route(
         sources, table = _with_table(sources)
         begun = len(prefix.sources)
         return _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads, eps,
-                        store_lse=False, init=prefix.state)[0]
+                        store_stats=False, init=prefix.state)[0]
     if len(sources) + (null_source is not None) == 1:  # nothing to mix
         return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
     if gate is not None and residual is None:  # gate * mix: the grouped kernels' read
@@ -807,7 +820,7 @@ def fused_route(
                                 newest)
     sources, table = _with_table(sources)
     return _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                    store_lse=False)[0]
+                    store_stats=False)[0]
 
 
 @torch.compiler.disable
@@ -836,7 +849,7 @@ def fused_route_and_start(
         return out, ReadPrefix(sources, marked, next_query, next_key_norm_weight, SoftmaxState(acc, stat), pair)
     aligned, table = _with_table(sources)
     out, _, state = _forward(aligned, table, query, key_norm_weight, None, None, None, num_heads, eps,
-                             store_lse=False, second=(next_query, next_key_norm_weight))
+                             store_stats=False, second=(next_query, next_key_norm_weight))
     return out, ReadPrefix(sources, sources, next_query, next_key_norm_weight, state, None)
 
 
@@ -871,37 +884,39 @@ def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
     return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
 
 
-def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_lse):
-    """The outputs of a group of reads, their lse ([reads, T, H]) and each source's rstd
-    ([sources, T]), the last two None unless `store_lse`."""
+def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_stats):
+    """The outputs of a group of reads and, if `store_stats`, their ReadStats (lse [reads, T, H],
+    one block per read), else None."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
     head = reads[0]
     dtype = _output_dtype(first, head.null_source, head.gate)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
-    lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
-    rstd = _rstd_table(sources) if store_lse else None
+    stats = ReadStats(_per_read(len(reads), (tokens, num_heads), first.device), _rstd_table(sources)) \
+        if store_stats else None
+    lse, rstd = stats if stats is not None else (outs[0], outs[0])
     launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
     programs = _group_forward_programs(triton.cdiv(tokens, launch["BLOCK_T"]), len(reads), first.device)
     kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
-        outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], outs[0] if rstd is None else rstd,
-        len(sources), len(reads), tokens, eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False,
-        STORE_RSTD=store_lse, IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
+        lse, query, key_norm_weight, outs[0], outs[0], rstd, len(sources), len(reads), tokens, eps,
+        STORE_STATS=store_stats, HAS_INIT=False, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
+        **flags, **launch,
     )
-    return outs, lse, rstd
+    return outs, stats
 
 
-def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, rstd, grad_outs):
+def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, stats: ReadStats, grad_outs):
     """The site kernel of a group of reads, in one launch: every read's parameter gradients
     (per read query, key-norm weight, then null source and gate where it has them) and records."""
     first = sources[0]
     width, device = first.shape[-1], first.device
     tokens = first.numel() // width
     head, count = reads[0], len(reads)
+    lse, rstd = stats
     flags = _group_flags(reads)
     few = not flags["HAS_GATE"] and len(sources) <= FEW_SOURCES
     launch = _kernel_args("site_few" if few else "site", width, num_heads)
@@ -915,9 +930,9 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     null, query, key_norm_weight, gate = _stand_ins(head)
     kernels.route_site_bwd_kernel[(count * programs,)](
         table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
-        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd,
+        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd, rstd,
         len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
-        RSTD_TABLE=True, **flags, **launch,
+        **flags, **launch,
     )
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]
@@ -936,18 +951,18 @@ class FusedRouteGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, layout, newest, *params):
         sources, table = _with_table(sources)
-        outs, lse, rstd = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_lse=True)
+        outs, stats = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_stats=True)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.layout = layout
-        ctx.save_for_backward(lse, rstd, *params)
+        ctx.save_for_backward(*stats, *params)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
         lse, rstd, *params = ctx.saved_tensors
         reads = _unflatten(params, ctx.layout)
-        grads, records = _site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse, rstd,
-                                              _aligned(grad_outs))
+        grads, records = _site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps,
+                                              ReadStats(lse, rstd), _aligned(grad_outs))
         for record in records:
             _leave(ctx.marks, record)
         return None, None, None, None, None, None, *(g for read in grads for g in read)
@@ -983,4 +998,4 @@ def fused_route_group(sources: Sequence[torch.Tensor], reads: Sequence[Read], nu
         sources, marks, newest = _on_one_chain(sources)
         return FusedRouteGroup.apply(num_heads, eps, sources, marks, layout, newest, *params)
     sources, table = _with_table(sources)
-    return tuple(_forward_group(sources, table, reads, num_heads, eps, store_lse=False)[0])
+    return tuple(_forward_group(sources, table, reads, num_heads, eps, store_stats=False)[0])

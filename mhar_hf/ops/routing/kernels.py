@@ -157,8 +157,8 @@ def route_fwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
     q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
     num_sources, num_reads, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr, STORE_RSTD: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     IN_PLACE: tl.constexpr,
@@ -174,8 +174,8 @@ def route_fwd_kernel(
     token block's sources come from L2 after the first read. Otherwise a program computes one
     token block (`_forward_rows`).
 
-    STORE_RSTD (the training forward of a read that is not split, or of a group): each source's
-    rstd also goes to `rstd` (fp32 [sources, T]; in a group, from its first read), which the site
+    STORE_STATS (a training forward): the lse, and each source's rstd (`rstd`, fp32 [sources, T];
+    in a group, from its first read; with HAS_INIT, of the sources it adds), which the site
     kernel takes instead of summing each row again.
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
@@ -212,10 +212,10 @@ def route_fwd_kernel(
     if GROUPED:  # program p of each read: token blocks p, p + programs, ...
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
-            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, STORE_RSTD, GROUPED, D,
+            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND, GROUPED, D,
                           H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
-        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, STORE_RSTD,
+        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND,
                       GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, IN_PLACE)
 
 
@@ -224,8 +224,8 @@ def _forward_rows(
     block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
     rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
     num_sources, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, STORE_RSTD: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
     BLOCK_T: tl.constexpr, STAGES: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
@@ -257,7 +257,7 @@ def _forward_rows(
     for n in tl.range(0, num_sources, num_stages=STAGES):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
         rstd = _rstd(x_lo, x_hi, eps, D)
-        if STORE_RSTD:
+        if STORE_STATS:
             _store_sums(rstd_ptr + tl.cast(n, tl.int64) * T + tok, rstd, tok < rstd_rows, IN_PLACE)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
@@ -275,7 +275,7 @@ def _forward_rows(
             res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
             out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
     _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
-    if STORE_LSE:
+    if STORE_STATS:
         tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
     if HAS_SECOND:
         _store_rows(prefix_acc_ptr, row_offs, in_range, acc2_lo, acc2_hi, *cols)
@@ -319,12 +319,12 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 def route_site_bwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
-    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr, rstd_ptr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr, rstd_ptr, rstd2_ptr,
     num_sources, num_second, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr, RSTD_TABLE: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -352,8 +352,9 @@ def route_site_bwd_kernel(
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
     IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
-    RSTD_TABLE (every read but a split pair): each source's rstd comes from `rstd` (fp32 [sources,
-    T], the read's forward's) instead of a sum over the row, a cross-warp sum per source and read."""
+    Each source's rstd comes from `rstd` (fp32 [sources, T], the read's forward's) instead of a
+    sum over the row, a cross-warp sum per source and read; with HAS_SECOND, the sources past
+    this read's from `rstd2`, the second read's forward's."""
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
@@ -417,10 +418,10 @@ def route_site_bwd_kernel(
         w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            if RSTD_TABLE:
-                rstd = tl.load(rstd_ptr + tl.cast(n, tl.int64) * T + tok, mask=tok < T, other=1.0)
-            else:
-                rstd = _rstd(x_lo, x_hi, eps, D)
+            rstd_row = rstd_ptr + tl.cast(n, tl.int64) * T
+            if HAS_SECOND:
+                rstd_row = tl.where(n < num_sources, rstd_row, rstd2_ptr + tl.cast(n - num_sources, tl.int64) * T)
+            rstd = tl.load(rstd_row + tok, mask=tok < T, other=1.0)
             dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
