@@ -451,13 +451,15 @@ class ReadRecord:
     """What one read's backward leaves with each source it read (with the source's position
     among the read's sources), for the source kernel. `terms`: the read's dots and P per source
     (fp32 [sources, 2, T, H]), written by its site kernel (or, for a split pair's second read,
-    partly by its total kernel, the rest by the pair's site kernel)."""
+    partly by its total kernel, the rest by the pair's site kernel). `rstd`: tables ([n, T]) whose
+    rows, one after another, are its sources' rstd (a split pair's second read has two: the
+    first read's and that of the sources it adds)."""
 
-    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
+    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "rstd", "addresses", "_terms_at")
 
-    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
+    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float, rstd: Sequence[torch.Tensor]):
         self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
-        self.eps = eps
+        self.eps, self.rstd = eps, rstd
         self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
         assert not any(a % ALIGNMENT for a in (*self.addresses, terms.data_ptr())), "kernels._address assumes it"
         self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
@@ -466,6 +468,14 @@ class ReadRecord:
         """Where this read's terms for its source at `position` start."""
         base, step = self._terms_at
         return base + position * step
+
+    def rstd_of(self, position: int) -> torch.Tensor:
+        """The rstd ([T]) of this read's source at `position`."""
+        for table in self.rstd:
+            if position < len(table):
+                return table[position]
+            position -= len(table)
+        raise IndexError("a read's rstd tables cover its sources")
 
 
 def _leave(marks, record: ReadRecord) -> None:
@@ -480,6 +490,7 @@ class Partial(NamedTuple):
     task: int
     acc: torch.Tensor  # fp32 [T, d]: the sum of w dout + dlogit rstd gq
     norm: torch.Tensor  # fp32 [T]: the sum of sum_h dlogit dots
+    rstd: torch.Tensor  # fp32 [T]: the source's rstd
     eps: float
     heads: int
 
@@ -536,19 +547,21 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
     # pointer types for the table's loads, and a stand-in for pointers a launch does not use
     dout0, stat0 = (records[0][0].dout, records[0][0].lse) if records else (source, partial.acc)
     readers = _upload(addresses or [stat0.data_ptr()] * 6, source.device)  # no reads left: a row it never reads
-    other = left = None
+    rstd = records[0][0].rstd_of(records[0][1]) if records else partial.rstd
+    left = None
     if partner is not None:
-        other = partner.source.contiguous()
+        first = records[0][0]
         left = Partial(task, _empty((tokens, width), dtype=torch.float32, device=source.device),
-                       _empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
+                       _empty((tokens,), dtype=torch.float32, device=source.device),
+                       first.rstd_of(next(position for r, position in partner.records if r is first)), eps, heads)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        source, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
-        *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
+        source, rstd, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
+        *((left.rstd, left.acc, left.norm) if left is not None else (stat0, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
-        len(records), tokens, eps,
-        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=other is not None, HAS_INIT=partial is not None, **launch,
+        len(records), tokens,
+        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,
     )
-    if other is not None:
+    if left is not None:
         done = {id(r) for r, _ in records}
         partner.records = [(r, position) for r, position in partner.records if id(r) not in done]
         partner.partial = left
@@ -622,7 +635,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
         IN_PLACE=_stores_in_place(launch, second is not None), **launch,
     )
-    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
+    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps, (rstd,))
 
     params += (q2, g2) if second is not None else ()
     grads, dgates = _sum_partials(partials, programs, width, params, [gate] if has_gate else [])
@@ -665,9 +678,10 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
 
 
 class _Pair:
-    """What the two reads of a split pair share: the second read's sources, table and the rstd of
-    the sources it adds, set by its forward, and its backward's record, which the first read's
-    backward (always after it) takes."""
+    """What the two reads of a split pair share: the rstd tables of the second read's sources
+    (the first read's, set by its forward, then that of the sources it adds), its sources and
+    table, set by its forward, and its backward's record, which the first read's backward
+    (always after it) takes."""
 
     __slots__ = ("sources", "table", "rstd", "second")
 
@@ -711,6 +725,7 @@ class FusedRoutePair(torch.autograd.Function):
         out, stats, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
                                      store_stats=True, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
+        pair.rstd = (stats.rstd,)
         ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
@@ -726,7 +741,7 @@ class FusedRoutePair(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(ctx.sources[0])
         (grad_out,) = _aligned((grad_out,))
-        second = ((next_query, next_key_norm_weight, later, pair.sources, pair.table, pair.rstd)
+        second = ((next_query, next_key_norm_weight, later, pair.sources, pair.table, pair.rstd[1])
                   if later is not None else None)
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
                                                      key_norm_weight, None, None, ReadStats(*stats), grad_out,
@@ -749,7 +764,8 @@ class FusedRouteEnd(torch.autograd.Function):
                                        num_heads, eps, store_stats=True, init=SoftmaxState(acc, prefix.state.stat))
         # detached: the new sources are usually made from the first read's output, so holding
         # their marks would close a reference cycle through autograd nodes, which nothing frees
-        prefix.pair.sources, prefix.pair.table, prefix.pair.rstd = [s.detach() for s in sources], table, rstd
+        prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
+        prefix.pair.rstd += (rstd,)
         ctx.num_heads, ctx.eps, ctx.marks, ctx.pair, ctx.begun = num_heads, eps, marks, prefix.pair, begun
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
@@ -763,7 +779,7 @@ class FusedRouteEnd(torch.autograd.Function):
         total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
                                           ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
-        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
+        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps, ctx.pair.rstd)
         _leave(ctx.marks, record)
         ctx.pair.second = record
         return (None,) * 9
@@ -935,7 +951,8 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
         **flags, **launch,
     )
     task = torch._C._current_graph_task_id()
-    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]
+    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps, (rstd,))
+               for r, dout in enumerate(grad_outs)]
     params = [t for read in reads for t in read[:rows]]
     grads, dgates = _sum_partials(partials, programs, width, params,
                                   [read.gate for read in reads] if flags["HAS_GATE"] else [], tile="group")
