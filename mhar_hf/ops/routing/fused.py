@@ -490,7 +490,6 @@ class Partial(NamedTuple):
     task: int
     acc: torch.Tensor  # fp32 [T, d]: the sum of w dout + dlogit rstd gq
     norm: torch.Tensor  # fp32 [T]: the sum of sum_h dlogit dots
-    rstd: torch.Tensor  # fp32 [T]: the source's rstd
     eps: float
     heads: int
 
@@ -547,18 +546,17 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
     # pointer types for the table's loads, and a stand-in for pointers a launch does not use
     dout0, stat0 = (records[0][0].dout, records[0][0].lse) if records else (source, partial.acc)
     readers = _upload(addresses or [stat0.data_ptr()] * 6, source.device)  # no reads left: a row it never reads
-    rstd = records[0][0].rstd_of(records[0][1]) if records else partial.rstd
-    left = None
+    left = partner_rstd = None
     if partner is not None:
         first = records[0][0]
+        partner_rstd = first.rstd_of(next(position for r, position in partner.records if r is first))
         left = Partial(task, _empty((tokens, width), dtype=torch.float32, device=source.device),
-                       _empty((tokens,), dtype=torch.float32, device=source.device),
-                       first.rstd_of(next(position for r, position in partner.records if r is first)), eps, heads)
+                       _empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-        source, rstd, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
-        *((left.rstd, left.acc, left.norm) if left is not None else (stat0, stat0, stat0)),
+        source, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
+        *((partner_rstd, left.acc, left.norm) if left is not None else (stat0, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
-        len(records), tokens,
+        len(records), tokens, eps,
         HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,
     )
     if left is not None:

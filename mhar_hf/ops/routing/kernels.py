@@ -49,8 +49,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(ptr, offs, mask):
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False):
+    return tl.load(ptr + offs, mask=mask, other=0.0, volatile=AGAIN).to(tl.float32)
 
 
 @triton.jit
@@ -87,11 +87,13 @@ def _load_gq(g_ptr, q_ptr, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
-def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi):
+def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, AGAIN: tl.constexpr = False):
     """Rows of a [T, D] tensor as two fp32 tiles: `row_offs` ([BLOCK_T, 1, 1]) their offsets,
-    `row_ok` which rows to load (zeros in the others)."""
-    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :]),
-            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :]))
+    `row_ok` which rows to load (zeros in the others). AGAIN: rows this program has loaded
+    before, loaded anew (a volatile load, which the compiler cannot merge with the first one and
+    so hold the rows in registers in between)."""
+    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN),
+            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN))
 
 
 @triton.jit
@@ -581,27 +583,28 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
 
 @triton.jit
 def route_source_bwd_kernel(
-    src_ptr, rstd_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
+    src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
     partner_rstd_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
-    num_readers, T,
+    num_readers, T, eps,
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
-    reached it other than through reads. `readers` is a [num_readers, 6] address table: per
+    reached it other than through reads). `readers` is a [num_readers, 6] address table: per
     read, its output gradient, lse, S (fp32 [T, H]), g*q (fp32 [D]) followed by its scale, and
     its terms (dots and P, fp32 [2, T, H], from its site or total kernel) for this source and
-    for the partner. With the source's rstd (`rstd`, fp32 [T], from a read's forward) the pass
-    over output gradients makes no reduction over the width, and the source's rows are read
-    once, after it, for the norm term.
+    for the partner: the pass over output gradients makes no reduction over the width, and
+    needs the source's rows only for their rstd, before it, and the norm term, after it.
 
     Source pairs (the source made just before this one, read by these same reads and by others
     not yet run: in full mode the MLP output of the layer before an attention output): with
     HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
-    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). Its rows are not
-    read here: only its rstd (`partner_rstd`)."""
+    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). The partner's rows
+    are not read here, only its rstd (`partner_rstd`, fp32 [T], from a read's forward). (The
+    source's own rstd is summed from its rows: loaded from a table, its layout left the per-read
+    loads duplicated in two layouts, 1B: 144 to 168 registers, with spills.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -611,7 +614,8 @@ def route_source_bwd_kernel(
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
 
-    rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
+    rstd = _rstd(x_lo, x_hi, eps, D)
     if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq, and of sum_h dlogit dots
         acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols)
         norm_sum = tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
@@ -634,7 +638,9 @@ def route_source_bwd_kernel(
             y_acc_lo, y_acc_hi, y_norm_sum = _source_terms(dots, p, y_rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
                                                            scale, y_acc_lo, y_acc_hi, y_norm_sum)
     norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
-    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
+    # the rows loaded again, not held through the loop, which needs only their rstd: registers
+    # bound how many programs a multiprocessor runs at once
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, AGAIN=True)
     dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
         grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols)
