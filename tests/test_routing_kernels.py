@@ -760,27 +760,35 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
     """Per source, the site kernel stores the read's dots and P (per-head sums). Through tl.store
     each went to shared memory and back behind a barrier (a layout change the compiler adds for the
     store); IN_PLACE stores them from the threads that hold them (the GPU's form; measured in
-    fused._stores_in_place). A grouped read also sums nothing over heads per source (its rstd
-    comes from the forward). Read from the Hopper build at d = 1024, H = 8 (the 350M shape)."""
+    fused._stores_in_place). Nor does it sum over heads per source, a grouped read's or a split
+    pair's (rstd comes from the forward's table). Read from the Hopper build at d = 1024, H = 8
+    (the 350M shape)."""
     script = textwrap.dedent("""
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
-        def source_loop(in_place):
-            flags = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, IN_PLACE=in_place)
-            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, 1024, 8, 1, 2).asm["ttgir"]
-            loop = ttgir[ttgir.index("to %num_sources"):]
+        grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True)
+        pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False)
+
+        def source_loop(flags, in_place):
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, dict(flags, IN_PLACE=in_place), 1024, 8, 1,
+                                   2).asm["ttgir"]
+            loop = ttgir[ttgir.index("to %num_"):]
             return loop[:loop.index("scf.yield")]
 
-        in_place, through_store = source_loop(True), source_loop(False)
+        def sums_over_heads(loop):
+            return sum('"tt.reduce"' in line and "axis = 1" in line for line in loop.splitlines())
+
+        in_place, through_store = source_loop(grouped, True), source_loop(grouped, False)
         print("changes", in_place.count("ttg.convert_layout"), through_store.count("ttg.convert_layout"))
-        print("sums over heads", sum('"tt.reduce"' in line and "axis = 1" in line for line in in_place.splitlines()))
+        print("sums over heads", sums_over_heads(in_place), sums_over_heads(source_loop(pair, True)))
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
     in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split()[:2])
     assert in_place == 0 and through_store >= 2, result.stdout
-    assert int(result.stdout.split("sums over heads")[1]) == 0, result.stdout  # rstd from the forward's table
+    grouped, pair = (int(n) for n in result.stdout.split("sums over heads")[1].split())
+    assert grouped == 0 and pair == 0, result.stdout  # rstd from the forward's table
 
 
 @pytest.mark.parametrize("interpreted, hip, warps, second, in_place", [

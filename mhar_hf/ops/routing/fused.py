@@ -108,13 +108,13 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
 
 
 def _stores_in_place(launch: dict, second: bool) -> bool:
-    """Whether a launch stores its per-token sums (a site kernel's dots, P and S; a forward's rstd)
-    from the threads that hold them (kernels._store_sums, whose store is NVIDIA assembly: not
-    under the interpreter or ROCm), and not in a one-warp launch with a second read, whose layout
-    change needs no barrier and whose in-place stores are twice as many. H200, ms of site kernel
-    per step without and with: delta 1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B),
-    block 0.90 / 1.32 / 1.37 to 0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43
-    (the 100M full pairs in place: 2.47)."""
+    """Whether a site launch stores its per-head sums from the threads that hold them
+    (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
+    not in a one-warp launch with a second read, whose layout change needs no barrier and whose
+    in-place stores are twice as many. H200, ms of site kernel per step without and with: delta
+    1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
+    0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
+    place: 2.47)."""
     return not _interpreted() and torch.version.hip is None and (launch["num_warps"] > 1 or not second)
 
 
@@ -341,8 +341,7 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
         q2, g2, *(state if state is not None else (out, out)), rstd, len(sources), 1, tokens, eps, HAS_NULL=null_source is not None, HAS_GATE=gate is not None,
-        STORE_STATS=store_stats, HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False,
-        IN_PLACE=_stores_in_place(launch, False), **launch,
+        STORE_STATS=store_stats, HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
     )
     return out, stats, (state if second is not None else None)
 
@@ -917,8 +916,7 @@ def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_
     kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
         lse, query, key_norm_weight, outs[0], outs[0], rstd, len(sources), len(reads), tokens, eps,
-        STORE_STATS=store_stats, HAS_INIT=False, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
-        **flags, **launch,
+        STORE_STATS=store_stats, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
     )
     return outs, stats
 
