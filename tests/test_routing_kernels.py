@@ -740,10 +740,10 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
-        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False,
-                     HAS_PARTNER=False, GROUPED=False)
-        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True,
-                     HAS_PARTNER=True, GROUPED=False)
+        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False,
+                     HAS_INIT=False, HAS_PARTNER=False, GROUPED=False)
+        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True,
+                     HAS_INIT=True, HAS_PARTNER=True, GROUPED=False)
         grouped = dict(gated, GROUPED=True)
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,

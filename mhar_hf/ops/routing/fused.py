@@ -314,6 +314,7 @@ def _output_dtype(first, null_source, gate, residual=None) -> torch.dtype:
 
 
 def _rstd_table(sources) -> torch.Tensor:
+    """fp32 [sources, T], for ReadStats.rstd."""
     first = sources[0]
     return _empty((len(sources), first.numel() // first.shape[-1]), dtype=torch.float32, device=first.device)
 
@@ -340,8 +341,9 @@ def _forward(sources, table, query, key_norm_weight, null_source, gate, residual
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, out)), rstd, len(sources), 1, tokens, eps, HAS_NULL=null_source is not None, HAS_GATE=gate is not None,
-        STORE_STATS=store_stats, HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
+        q2, g2, *(state if state is not None else (out, out)), rstd, len(sources), 1, tokens, eps,
+        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_STATS=store_stats,
+        HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
     )
     return out, stats, (state if second is not None else None)
 
