@@ -562,7 +562,7 @@ def test_a_partial_backward_leaves_nothing_behind():
 
 
 class LaunchSpy:
-    """Wraps a kernel: records each launch's flags (HAS_*, GROUPED), then launches it."""
+    """Wraps a kernel: records each launch's flags (the constexprs it sets True), then launches it."""
 
     def __init__(self, kernel):
         self.kernel, self.flags = kernel, []
@@ -576,7 +576,7 @@ class LaunchSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.flags.append({k for k, v in kwargs.items() if (k.startswith("HAS_") or k == "GROUPED") and v})
+            self.flags.append({k for k, v in kwargs.items() if v is True})
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -635,6 +635,8 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
     assert (forward.count("GROUPED"), site.count("GROUPED")) == (groups, groups)
+    # an ungated read's site pass takes S from its output (the mix); a gated read's output is not
+    assert site.count("TOTAL_FROM_OUT") == (0 if mode == "delta" else reads - pairs)
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
@@ -741,9 +743,9 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing.ahead import compile_kernel
 
         gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False,
-                     HAS_INIT=False, HAS_PARTNER=False, GROUPED=False)
+                     HAS_INIT=False, HAS_PARTNER=False, GROUPED=False, TOTAL_FROM_OUT=False)
         split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True,
-                     HAS_INIT=True, HAS_PARTNER=True, GROUPED=False)
+                     HAS_INIT=True, HAS_PARTNER=True, GROUPED=False, TOTAL_FROM_OUT=True)
         grouped = dict(gated, GROUPED=True)
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
@@ -761,16 +763,18 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
     each went to shared memory and back behind a barrier (a layout change the compiler adds for the
     store); IN_PLACE stores them from the threads that hold them (the GPU's form; measured in
     fused._stores_in_place). Nor does it sum over heads per source, a grouped read's or a split
-    pair's (rstd comes from the forward's table). Read from the Hopper build at d = 1024, H = 8
-    (the 350M shape)."""
+    pair's (rstd comes from the forward's table). And where S comes from the read's output
+    (TOTAL_FROM_OUT) the loop carries one row-wide sum instead of two. Read from the Hopper build
+    at d = 1024, H = 8 (the 350M shape)."""
     script = textwrap.dedent("""
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
-        grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True)
-        pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False)
+        grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, TOTAL_FROM_OUT=False)
+        pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False, TOTAL_FROM_OUT=True)
+        single = dict(pair, HAS_SECOND=False)
 
-        def source_loop(flags, in_place):
+        def source_loop(flags, in_place=True):
             ttgir = compile_kernel(kernels.route_site_bwd_kernel, dict(flags, IN_PLACE=in_place), 1024, 8, 1,
                                    2).asm["ttgir"]
             loop = ttgir[ttgir.index("to %num_"):]
@@ -779,16 +783,22 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
         def sums_over_heads(loop):
             return sum('"tt.reduce"' in line and "axis = 1" in line for line in loop.splitlines())
 
-        in_place, through_store = source_loop(grouped, True), source_loop(grouped, False)
+        def row_sums(loop):  # what the loop carries that is as wide as a row (d/H = 128: one tile)
+            return loop.splitlines()[0].split("->")[1].count("tensor<1x8x128xf32")
+
+        in_place, through_store = source_loop(grouped), source_loop(grouped, False)
         print("changes", in_place.count("ttg.convert_layout"), through_store.count("ttg.convert_layout"))
-        print("sums over heads", sums_over_heads(in_place), sums_over_heads(source_loop(pair, True)))
+        print("sums over heads", sums_over_heads(in_place), sums_over_heads(source_loop(pair)))
+        print("row sums", row_sums(in_place), row_sums(source_loop(single)), row_sums(source_loop(pair)))
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
     in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split()[:2])
     assert in_place == 0 and through_store >= 2, result.stdout
-    grouped, pair = (int(n) for n in result.stdout.split("sums over heads")[1].split())
+    grouped, pair = (int(n) for n in result.stdout.split("sums over heads")[1].split()[:2])
     assert grouped == 0 and pair == 0, result.stdout  # rstd from the forward's table
+    grouped, single, pair = (int(n) for n in result.stdout.split("row sums")[1].split())
+    assert grouped == 2 and single == 1 and pair == 1, result.stdout  # S from the output: one
 
 
 @pytest.mark.parametrize("interpreted, hip, warps, second, in_place", [

@@ -583,25 +583,29 @@ class FusedRoute(torch.autograd.Function):
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, *stats)
+        # an ungated read's output is its mix, from which its backward takes S (_site_backward). A
+        # compiled sublayer after it saves the same tensor for its norm, so this costs nothing there;
+        # eager, one activation per read (benchmarks/results/sweeps/total_from_out.md)
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, *stats, out if gate is None else None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, gate, *stats = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, lse, rstd, out = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
-                                          null_source, gate, ReadStats(*stats), grad_out)
+                                          null_source, gate, ReadStats(lse, rstd), grad_out, out)
         _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
 
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, stats: ReadStats,
-                   grad_out, second=None):
-    """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
-    sources, table, rstd of the sources it adds) of a split pair's second read, of that read too
-    (whose sources start with this read's; the kernel writes that record's terms). Returns this
+                   grad_out, out=None, second=None):
+    """The site kernel of one read (`out`: its output, given when it is the mix, for S), and given
+    `second` = (query, key-norm weight, ReadRecord, sources, table, rstd of the sources it adds) of a
+    split pair's second read, of that read too (whose sources start with this read's; the kernel
+    writes that record's terms). Returns this
     read's parameter gradients (query, key-norm weight, null source, gate; None where absent),
     its record, and the second read's two (None without one)."""
     num_sources = len(sources)
@@ -627,12 +631,12 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(programs,)](
         table, table, first, null_source if has_null else query, query, key_norm_weight,
-        gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
+        gate if has_gate else query, lse, grad_out, out if out is not None else grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
                   else (lse, grad_out, total, terms)), rstd, rstd2,
         num_sources, len(sources), 1, tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-        IN_PLACE=_stores_in_place(launch, second is not None), **launch,
+        TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None), **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps, (rstd,))
 
@@ -725,14 +729,14 @@ class FusedRoutePair(torch.autograd.Function):
                                      store_stats=True, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
         pair.rstd = (stats.rstd,)
-        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats)
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats, out)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
         return out, state.acc, state.stat
 
     @staticmethod
     def backward(ctx, grad_out, _acc, _stat):
-        query, key_norm_weight, next_query, next_key_norm_weight, *stats = ctx.saved_tensors
+        query, key_norm_weight, next_query, next_key_norm_weight, lse, rstd, out = ctx.saved_tensors
         later, pair = ctx.pair.second, ctx.pair
         pair.second = None
         if later is not None and later.task != torch._C._current_graph_task_id():
@@ -743,8 +747,8 @@ class FusedRoutePair(torch.autograd.Function):
         second = ((next_query, next_key_norm_weight, later, pair.sources, pair.table, pair.rstd[1])
                   if later is not None else None)
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
-                                                     key_norm_weight, None, None, ReadStats(*stats), grad_out,
-                                                     second)
+                                                     key_norm_weight, None, None, ReadStats(lse, rstd), grad_out,
+                                                     out, second)
         _leave(ctx.marks, record)
         return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
 
@@ -944,9 +948,9 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     null, query, key_norm_weight, gate = _stand_ins(head)
     kernels.route_site_bwd_kernel[(count * programs,)](
         table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
-        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd, rstd,
-        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
-        **flags, **launch,
+        grad_outs[0], total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms, rstd, rstd,
+        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, TOTAL_FROM_OUT=False,
+        IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
     )
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps, (rstd,))
