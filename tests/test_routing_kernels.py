@@ -70,9 +70,18 @@ SHAPES = [  # (sources, width, heads, tokens, batch, null source)
 ]
 
 
+@pytest.fixture(params=[1, 10**9], ids=["S-from-output", "S-in-the-loop"])
+def total_from_out(request, monkeypatch) -> bool:
+    """Both ways an ungated read's site kernel gets S (fused.TOTAL_FROM_OUT_MIN_SOURCES): True when
+    from the read's output."""
+    monkeypatch.setattr(fused, "TOTAL_FROM_OUT_MIN_SOURCES", request.param)
+    return request.param == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, width, heads, tokens, batch, null", SHAPES)
-def test_forward_and_every_gradient_match_fp64_reference(n, width, heads, tokens, batch, null, dtype):
+def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, width, heads, tokens, batch, null,
+                                                         dtype):
     sources, query, norm_weight, null_source = routing_inputs(n, width, tokens, batch, dtype, null)
     grad_out = torch.randn(batch, tokens, width, device=DEVICE)
     out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
@@ -369,7 +378,8 @@ def split_pair(sources, params, shared, heads, fused):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("loss_of", ["both", "first", "second"])
 @pytest.mark.parametrize("shared, more, width, heads, tokens", SPLIT_SHAPES)
-def test_split_reads_and_every_gradient_match_fp64_reference(shared, more, width, heads, tokens, loss_of, dtype):
+def test_split_reads_and_every_gradient_match_fp64_reference(total_from_out, shared, more, width, heads, tokens,
+                                                             loss_of, dtype):
     """A read begun with the one before it (one forward pass, one site pass for both) gives both
     reads' outputs and every gradient of the two reads computed whole; also when only one of
     them reaches the loss."""
@@ -621,8 +631,8 @@ MODEL_READS = [("full", 8, 9, 3, 3, 0), ("block", 8, 9, 0, 0, 0), ("delta", 2, 2
 
 
 @pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs, groups", MODEL_READS)
-def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs, source_pairs,
-                                                                  groups):
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_from_out, mode, reads, sources, pairs,
+                                                                  source_pairs, groups):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source, totals = spies
@@ -636,11 +646,11 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
     assert (forward.count("GROUPED"), site.count("GROUPED")) == (groups, groups)
     # an ungated read's site pass takes S from its output (the mix); a gated read's output is not
-    assert site.count("TOTAL_FROM_OUT") == (0 if mode == "delta" else reads - pairs)
+    assert site.count("TOTAL_FROM_OUT") == (reads - pairs if total_from_out and mode != "delta" else 0)
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
-def test_model_gradients_match_the_fp64_reference_model(mode):
+def test_model_gradients_match_the_fp64_reference_model(total_from_out, mode):
     """Every parameter's gradient through a whole model with the kernels (split pairs, source
     pairs, the terms each read leaves for the source kernel, some written by a split pair's
     second read before the pair's site kernel writes the rest) against the same model in fp64

@@ -61,6 +61,12 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (4, 2048, 3), "source_paired": (2, 2048, 3),
           "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
+# An ungated read of at least this many sources takes S from its output in the site kernel
+# (TOTAL_FROM_OUT): 5-14 % fewer instructions per source in the sm90 build, for one more row loaded
+# per token block, which a read of few sources feels most. NOT YET MEASURED: at 8, the extra row
+# is about as large a share of the read's bytes (1/9 or less) as the instructions it saves
+# (`sweep_launch.py --constant TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000` measures it).
+TOTAL_FROM_OUT_MIN_SOURCES = 8
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
 # 16 x SM partials per column; 32 bytes per row is one memory sector. A group's launch sums the
@@ -105,6 +111,12 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
         return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4)
     warps = triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp))
     return dict(tile, BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
+
+
+def _total_from_out(gate, num_sources: int) -> bool:
+    """Whether a read's site kernel takes S from its output (see TOTAL_FROM_OUT_MIN_SOURCES): only
+    an ungated read's output is its mix."""
+    return gate is None and num_sources >= TOTAL_FROM_OUT_MIN_SOURCES
 
 
 def _stores_in_place(launch: dict, second: bool) -> bool:
@@ -583,10 +595,11 @@ class FusedRoute(torch.autograd.Function):
         # block mode's running sum after attention, that saving would let the layer recompute.)
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        # an ungated read's output is its mix, from which its backward takes S (_site_backward). A
-        # compiled sublayer after it saves the same tensor for its norm, so this costs nothing there;
-        # eager, one activation per read (benchmarks/results/sweeps/total_from_out.md)
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, *stats, out if gate is None else None)
+        # kept for S (_total_from_out). A compiled sublayer after the read saves the same tensor for
+        # its norm, so this costs nothing there; eager, one activation per read (total_from_out.md in
+        # benchmarks/results/sweeps)
+        kept = out if _total_from_out(gate, len(sources)) else None
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, *stats, kept)
         return out
 
     @staticmethod
@@ -602,7 +615,7 @@ class FusedRoute(torch.autograd.Function):
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, stats: ReadStats,
                    grad_out, out=None, second=None):
-    """The site kernel of one read (`out`: its output, given when it is the mix, for S), and given
+    """The site kernel of one read (`out`: its output, given when S is to come from it), and given
     `second` = (query, key-norm weight, ReadRecord, sources, table, rstd of the sources it adds) of a
     split pair's second read, of that read too (whose sources start with this read's; the kernel
     writes that record's terms). Returns this
@@ -729,7 +742,8 @@ class FusedRoutePair(torch.autograd.Function):
                                      store_stats=True, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
         pair.rstd = (stats.rstd,)
-        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats, out)
+        kept = out if _total_from_out(None, len(sources)) else None  # for S, as FusedRoute's
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, *stats, kept)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
         return out, state.acc, state.stat
