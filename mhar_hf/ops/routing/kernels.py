@@ -393,12 +393,15 @@ def route_site_bwd_kernel(
     dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     dkey_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
     dkey_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
-    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
+    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)  # with a null source, first sum_t w dout (see below)
     dnull_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
-    if HAS_NULL:  # the null source: one vector shared by every token
+    null_dlogit = tl.zeros([BLOCK_T, H_PAD], tl.float32)  # the null source's dlogit, summed over token blocks
+    if HAS_NULL:  # one vector shared by every token: its rstd and dots are the same for all, computed once
         null_lo, null_hi = _load_vector(null_ptr, *cols)
-        null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
-        null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
+        null_lo, null_hi = null_lo[None, :, :], null_hi[None, :, :]
+        null_rstd = _rstd(null_lo, null_hi, eps, D)  # [1]
+        null_dots = _head_dots(null_lo, null_hi, gq_lo[None, :, :], gq_hi[None, :, :])  # [1, H_PAD]
+        null_logit = null_dots * null_rstd[:, None]
     num_read = num_sources
     if HAS_SECOND:
         num_read = num_second
@@ -460,21 +463,14 @@ def route_site_bwd_kernel(
                 dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
-        if HAS_NULL:
-            rstd = _rstd(null_lo, null_hi, eps, D)
-            dots, w, p = _read_terms(null_lo, null_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
+        if HAS_NULL:  # what varies with the token: P, w, dlogit, and w dout (weight 0 in padded rows)
+            p = _head_dots(dout_lo, dout_hi, null_lo, null_hi)
+            w = tl.exp(null_logit - lse)
             if not TOTAL_FROM_OUT:
                 total += w * p
-            dlogit = w * (p - total)
-            dlogit_rstd = dlogit[:, :, None] * rstd[:, None, None]
-            norm_coef = (rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1))[:, None, None]
-            w3 = w[:, :, None]
-            dx_lo = w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo
-            dx_hi = w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi
-            dnull_lo += tl.sum(tl.where(in_range, dx_lo, 0.0), 0)
-            dnull_hi += tl.sum(tl.where(in_range, dx_hi, 0.0), 0)
-            dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
-            dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
+            null_dlogit += w * (p - total)
+            dnull_lo += tl.sum(w[:, :, None] * dout_lo, 0)
+            dnull_hi += tl.sum(w[:, :, None] * dout_hi, 0)
         if not TOTAL_FROM_OUT:
             wp_x_lo -= total[:, :, None] * w_x_lo
             wp_x_hi -= total[:, :, None] * w_x_hi
@@ -484,6 +480,15 @@ def route_site_bwd_kernel(
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
+    if HAS_NULL:  # the terms of dx = w dout + dlogit rstd (g*q) - rstd^3 / D (sum_h dlogit dots) x that
+        # share the token-independent factors, summed over tokens once: and its key-norm term
+        dlogit = tl.sum(null_dlogit, 0)[None, :]  # [1, H_PAD]
+        norm_coef = (null_rstd * null_rstd * null_rstd / D * tl.sum(dlogit * null_dots, 1))[:, None, None]
+        dlogit_rstd = (dlogit * null_rstd[:, None])[:, :, None]
+        dnull_lo += tl.sum(dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo, 0)
+        dnull_hi += tl.sum(dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi, 0)
+        dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
+        dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
     row = programs * D  # one row of partial sums: a [programs, D] block
     # g and q loaded again rather than held through the loop: registers bound how many programs
     # a multiprocessor runs at once
