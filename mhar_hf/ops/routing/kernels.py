@@ -480,8 +480,8 @@ def route_site_bwd_kernel(
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
-    if HAS_NULL:  # the terms of dx = w dout + dlogit rstd (g*q) - rstd^3 / D (sum_h dlogit dots) x that
-        # share the token-independent factors, summed over tokens once: and its key-norm term
+    if HAS_NULL:  # of the null source's dx = w dout + dlogit rstd (g*q) - rstd^3 / D (sum_h dlogit dots) x,
+        # the terms in which only dlogit varies with the token, and its key-norm term: from sum_t dlogit, once
         dlogit = tl.sum(null_dlogit, 0)[None, :]  # [1, H_PAD]
         norm_coef = (null_rstd * null_rstd * null_rstd / D * tl.sum(dlogit * null_dots, 1))[:, None, None]
         dlogit_rstd = (dlogit * null_rstd[:, None])[:, :, None]
