@@ -81,7 +81,8 @@ class MHARRouter(nn.Module):
             routers = (self, *ahead)
             if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
                 raise ValueError("grouped reads are of gated routers of the same heads and eps")
-            reads = [Read(r.query, r.key_norm_weight, r.null_source, r.gate) for r in routers]
+            names = Read._fields
+            reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in names)) for r in routers]
             return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
         if begin is not None:
             if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
@@ -270,10 +271,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         read = None
         if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
             read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
-        if self.starts_block:
-            routers = tuple(getattr(layer, name) for layer, name in self.reads_ahead)
-            if routers and _unsharded(routers):
-                ahead = self.mlp_router(blocks, ahead=routers)
+        if self.starts_block and self.reads_ahead and _whole_here(self.reads_ahead):
+            ahead = self.mlp_router(blocks, ahead=tuple(getattr(layer, name) for layer, name in self.reads_ahead))
         stream = attend(stream, residual=stream, read=read)
         read, ahead = self._delta_read(self.mlp_router, blocks, ahead)
         if not self.ends_block:
@@ -300,14 +299,34 @@ def _group_delta_reads(layers) -> None:
         layers[start].reads_ahead = (*later, *([(layers[end], "attn_router")] if end < len(layers) else []))
 
 
-def _unsharded(routers) -> bool:
-    """Whether the routers' parameters are whole tensors here. FSDP2 shards every layer's
-    parameters outside its own forward, so the reads of later layers cannot be computed ahead."""
+def _whole_here(reads_ahead) -> bool:
+    """Whether a block's first layer can compute the reads of these (layer, router name) now.
+    FSDP2 keeps a layer's parameters sharded (DTensors) outside its own forward: those routers'
+    are gathered for the group (`_whole`). But a layer it has unsharded early (prefetched) frees
+    its whole parameters again after its forward, before the group's backward needs them: then
+    each router reads in its own layer."""
     if not torch.distributed.is_available():
         return True
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return not any(isinstance(p, DTensor) for router in routers for p in router.parameters())
+    return all(not isinstance(layer, FSDPModule) or all(isinstance(p, DTensor) for p in router.parameters())
+               for layer, router in ((layer, getattr(layer, name)) for layer, name in reads_ahead))
+
+
+def _whole(param: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    """A router parameter as one whole tensor, in the dtype of `like`, the same parameter of the
+    router that runs (which FSDP2 has unsharded in its compute dtype). A sharded one (DTensor) is
+    gathered, and its gradient averaged over the ranks and scattered back, as FSDP2 does its own."""
+    if param is None or not torch.distributed.is_available():
+        return param
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(param, DTensor):
+        return param
+    dims = param.device_mesh.ndim
+    whole = param.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)
+    return whole.to(like.dtype)
 
 
 class MHARPreTrainedModel(PreTrainedModel):

@@ -105,11 +105,30 @@ def group_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
-def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch):
-    """Sharded, a layer holds only shards of the later layers' routers, so its sites read one
-    at a time (no grouped launch) and get the gradients the unsharded, grouped model gets."""
+def shard(model, world: int, rank: int, store) -> None:
+    """`model` sharded with FSDP2 as the training config does it (each decoder layer a unit),
+    in a gloo process group of `world` processes on CPU."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+@pytest.mark.parametrize("variant, sizes_seen", [
+    ("sharded", [4, 1]),
+    ("checkpointed", [4, 1, 1, 4]),  # the backward recomputes each group, gathering again
+    ("layer-1-unsharded-early", [1] * 5),
+])
+def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
+    """Sharded, a layer holds only shards of the later layers' routers: a block's first layer
+    gathers them and computes the block's reads together, as unsharded, with the same gradients
+    (also under activation checkpointing, the training recipe's setting). A layer unsharded early
+    (as by prefetching) frees its whole parameters after its forward, before the group's backward
+    would need them: then its routers read in its own forward."""
+    import torch.distributed as dist
 
     if DEVICE != "cpu":
         pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
@@ -120,17 +139,77 @@ def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch):
     expected = fused_gradients(twin, tokens)
     assert sizes == [4, 1]  # blocks of 2 layers: layer 0's MLP read to layer 2's attention read, then layer 2's MLP read
     sizes.clear()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable()
+    shard(model, 1, 0, tmp_path / "store")
     try:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        if variant == "layer-1-unsharded-early":
+            model.model.layers[1].unshard()
         sharded = fused_gradients(model, tokens)
-        assert sizes == [1] * 5
+        assert sizes == sizes_seen
         for name, grad in expected.items():
             torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_grouped_reads_take_the_compute_dtype(tmp_path, monkeypatch):
+    """With FSDP2's mixed precision (bf16 compute over fp32 shards) the gathered routers come in
+    bf16, as FSDP2 unshards the running layer's, so the block's reads still group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if DEVICE != "cpu":
+        pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
+    groups, forward_group = [], fused._forward_group
+
+    def spy(sources, table, reads, *args, **kwargs):
+        groups.append((len(reads), {t.dtype for read in reads for t in read}))
+        return forward_group(sources, table, reads, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_forward_group", spy)
+    model = randomised(tiny_model("delta", "fused")).train()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        grads = fused_gradients(model, next(batches(1)))
+    finally:
+        dist.destroy_process_group()
+    assert groups == [(4, {torch.bfloat16}), (1, {torch.bfloat16})]
+    assert all(torch.isfinite(grad.full_tensor()).all() for grad in grads.values())
+
+
+def _sharded_rank(rank: int, world: int, folder: str) -> None:
+    """One process of test_fsdp2_grouped_reads_average_gradients_over_ranks: its own batch, its
+    gradients (gathered whole) saved for the test to compare."""
+    model = randomised(tiny_model("delta", "fused")).train()
+    shard(model, world, rank, os.path.join(folder, "store"))
+    try:
+        grads = fused_gradients(model, list(batches(world))[rank])
+        torch.save({name: grad.full_tensor() for name, grad in grads.items()}, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_grouped_reads_average_gradients_over_ranks(tmp_path):
+    """Two processes, each its own batch: the gradients of the routers a block's first layer
+    gathered (and of every other parameter) are the mean of the two batches' gradients, as FSDP2
+    averages its own."""
+    if DEVICE != "cpu":
+        pytest.skip("the two-process FSDP2 check runs with gloo on CPU")
+    world = 2
+    model = randomised(tiny_model("delta", "fused")).train()
+    per_batch = [fused_gradients(model, tokens) for tokens in batches(world)]
+    torch.multiprocessing.spawn(_sharded_rank, args=(world, str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got.keys() == per_batch[0].keys()
+        for name, grad in got.items():
+            expected = sum(g[name] for g in per_batch) / world
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=f"rank {rank}: {name}")
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
