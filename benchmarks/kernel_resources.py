@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --presets 350M --launch source=2,2048,3
+    python benchmarks/kernel_resources.py --loops
 
 Builds each kernel variant (the flags a training step launches it with) for Hopper at the launch
 shape `mhar_hf.ops.routing.fused.LAUNCH` gives it for each preset's width (full mode, H heads),
@@ -10,7 +11,9 @@ registers go (any stack is a spill: the kernels keep no local arrays). A shape t
 in the step even where it times well alone (as two source rows did while the reads timed alone
 formed no source pairs). Runs on a CPU (Triton's compiler and its bundled cuobjdump); the figures
 are the installed Triton's, which may allocate otherwise than the GPU machine's. `--launch` tries
-other shapes.
+other shapes. `--loops` adds, per kernel, the SASS instructions and barriers (BAR, not the DEPBAR
+waits of asynchronous copies) of its innermost loop: one iteration's work per source (forward,
+site) or per read (source kernel).
 """
 
 from __future__ import annotations
@@ -55,18 +58,42 @@ def cuobjdump() -> str:
     return found
 
 
-def resources(compiled, tool: str) -> tuple[int, int]:
-    """(registers, stack bytes) per thread of a compiled kernel."""
+def dump(compiled, tool: str, option: str) -> str:
+    """cuobjdump's report (`option`) on a compiled kernel."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        dump = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True)
-    report = dump.stdout
+        return subprocess.run([tool, option, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(compiled, tool: str) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of a compiled kernel."""
+    report = dump(compiled, tool, "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if found is None:
         raise RuntimeError(f"no resource line in cuobjdump's report:\n{report}")
     return int(found[1]), int(found[2])
+
+
+def innermost_loop(compiled, tool: str) -> tuple[int, int]:
+    """(instructions, barriers) of the kernel's first innermost loop: the SASS from a backward
+    branch's target to the branch, holding no other backward branch."""
+    code = [(int(address, 16), text.strip())
+            for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", dump(compiled, tool, "-sass"))]
+    loops = []
+    for address, text in code:
+        target = re.search(r"\bBRA\b[^0-9]*0x([0-9a-f]+)", text)
+        if target and int(target[1], 16) < address:
+            loops.append((int(target[1], 16), address))
+    inner = [(start, end) for start, end in loops
+             if not any(start <= s and e < end for s, e in loops if (s, e) != (start, end))]
+    if not inner:
+        raise RuntimeError("no loop in the kernel's SASS")
+    start, end = inner[0]
+    body = [text for address, text in code if start <= address <= end]
+    opcodes = [text.split()[1] if text.startswith("@") else text.split()[0] for text in body]  # past a predicate
+    return len(body), sum(opcode.startswith("BAR") for opcode in opcodes)
 
 
 def parse_launch(text: str) -> tuple[str, tuple[int, int, int]]:
@@ -82,13 +109,16 @@ def main():
     parser.add_argument("--presets", nargs="+", default=["100M", "350M", "1B"])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--launch", type=parse_launch, action="append", default=[], metavar="KIND=ROWS,PER_WARP,STAGES")
+    parser.add_argument("--loops", action="store_true",
+                        help="also the instructions and barriers of each kernel's innermost loop")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this builds the kernels for the GPU")
     fused.LAUNCH.update(dict(args.launch))
     tool = cuobjdump()
-    print("| preset | kernel | launch | rows | warps | stages | registers | stack bytes |")
-    print("|---|---|---|---|---|---|---|---|")
+    loop_columns = (" loop instructions | loop barriers |", "---|---|") if args.loops else ("", "")
+    print("| preset | kernel | launch | rows | warps | stages | registers | stack bytes |" + loop_columns[0])
+    print("|---|---|---|---|---|---|---|---|" + loop_columns[1])
     for preset in args.presets:
         width = MHARConfig.from_preset(preset).hidden_size
         for kind, variant, kernel, flags in VARIANTS:
@@ -98,8 +128,9 @@ def main():
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
                                       launch["STAGES"])
             registers, stack = resources(compiled, tool)
+            loop = " {} | {} |".format(*innermost_loop(compiled, tool)) if args.loops else ""
             print(f"| {preset} | {kind} | {variant} | {launch['BLOCK_T']} | {launch['num_warps']} | {launch['STAGES']} "
-                  f"| {registers} | {stack} |", flush=True)
+                  f"| {registers} | {stack} |{loop}", flush=True)
 
 
 if __name__ == "__main__":
