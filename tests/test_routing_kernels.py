@@ -323,6 +323,29 @@ def chained(mark):
     return mark_all
 
 
+def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, heads=4):
+    """A training read computes the rstd of the sources no read has taken before, and keeps it
+    with their marks; later reads load it (their forward sums only the newest): `kept` counts the
+    leading sources whose rstd the forward loads. A read with another eps sums its own."""
+    kept, forward = [], fused._forward
+    monkeypatch.setattr(fused, "_forward", lambda *args, **kwargs: kept.append(kwargs["kept"]) or forward(*args,
+                                                                                                          **kwargs))
+    sources, query, norm_weight, _ = routing_inputs(4, 64, 11)
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    marked = chained(track)(leaves)
+    outs = [fused_route(marked[:n], query, norm_weight, heads, EPS) for n in (2, 3, 4)]
+    assert kept == [0, 2, 3]
+    sum(o.sum() for o in outs).backward()
+    twins = [s.detach().double().requires_grad_() for s in sources]
+    sum(route_reference(twins[:n], fp64(query), fp64(norm_weight), heads, EPS).sum() for n in (2, 3, 4)).backward()
+    for leaf, twin in zip(leaves, twins, strict=True):
+        assert rel_rms(leaf.grad, twin.grad) < 1e-5
+    other_eps = fused_route(marked, query, norm_weight, heads, 0.5)  # forward only: a source's reads share one eps
+    assert kept[-1] == 0
+    assert rel_rms(other_eps, route_reference([fp64(s) for s in sources], fp64(query), fp64(norm_weight), heads,
+                                              0.5)) < 1e-5
+
+
 @pytest.mark.parametrize("marking", ["chained", "separately"])
 def test_tracked_sources_sum_every_read_and_other_uses(spies, marking, heads=4):
     """Sources read by several sites with different queries, and used elsewhere too, match the

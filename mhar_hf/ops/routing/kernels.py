@@ -6,9 +6,11 @@ d/H - DH_LO (`[BLOCK_T, H_PAD, DH_HI]`, masked past them). Tile sizes must be po
 tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two hold it
 exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d works.
 Tensors that vary per source or per reader are reached through int64 tables of their
-addresses, so the caller never stacks them. Each loop over sources or reads is software-pipelined
-(`tl.range(num_stages=STAGES)`: the loads of the next iterations go to shared memory while the
-current one computes), which keeps several reads in flight without holding them in registers.
+addresses, so the caller never stacks them. A read's source table holds two per source: its rows
+and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
+Each loop over sources or reads is software-pipelined (`tl.range(num_stages=STAGES)`: the loads
+of the next iterations go to shared memory while the current one computes), which keeps several
+reads in flight without holding them in registers.
 All statistics, logits, softmax and the mix run in fp32: every load is upcast at once (bf16
 arithmetic is wrong in the Triton interpreter, and `tl.exp` rejects bf16).
 
@@ -105,6 +107,15 @@ def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col
 
 
 @triton.jit
+def _source(table, n, src_like_ptr, rstd_like_ptr):
+    """Source n's entry of a read's source table: its rows' and its rstd's addresses, in one
+    16-byte load (two loads took a second wait and barrier per source)."""
+    rows, rstd = tl.split(tl.load(table + 2 * n + tl.arange(0, 2)))
+    return (tl.multiple_of(rows.to(tl.pointer_type(src_like_ptr.dtype.element_ty)), 16),
+            tl.multiple_of(rstd.to(tl.pointer_type(rstd_like_ptr.dtype.element_ty)), 16))
+
+
+@triton.jit
 def _store_rows(ptr, row_offs, row_ok, lo, hi, col_lo, mask_lo, col_hi, mask_hi):
     ty = ptr.dtype.element_ty
     tl.store(ptr + row_offs + col_lo[None, :, :], lo.to(ty), mask=row_ok & mask_lo[None, :, :])
@@ -156,8 +167,8 @@ def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
 @triton.jit
 def route_fwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
-    q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
-    num_sources, num_reads, T, eps,
+    q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr,
+    num_sources, num_kept, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
@@ -174,16 +185,17 @@ def route_fwd_kernel(
     token block's sources come from L2 after the first read. Otherwise a program computes one
     token block (`_forward_rows`).
 
-    STORE_STATS (a training forward): the lse, and each source's rstd (`rstd`, fp32 [sources, T];
-    in a group, from its first read; with HAS_INIT, of the sources it adds), which the site
-    kernel takes instead of summing each row again.
+    The first `num_kept` sources' rstd is loaded (an earlier read computed it); the others' is
+    summed over their rows, and with STORE_STATS (a training forward) stored for the reads after
+    this one (in a group, by its first read) and for the site kernel. STORE_STATS also stores the
+    lse.
 
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
     (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
-    rstd_rows = T  # the tokens whose rstd per source this program writes (in a group: its first read's)
+    rstd_rows = T  # the tokens whose rstd per new source this program writes (in a group: its first read's)
     if GROUPED:
         read = tl.program_id(0) % num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
@@ -206,9 +218,9 @@ def route_fwd_kernel(
         null_logit = tl.zeros([1, H_PAD], tl.float32)
     gate = tl.load(gate_ptr).to(tl.float32) if HAS_GATE else 1.0
     # the constexprs are passed after the tuple: inside one they would not stay constexprs
-    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
+    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
             rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
-            num_sources, T, eps)
+            num_sources, num_kept, T, eps)
     if GROUPED:  # program p of each read: token blocks p, p + programs, ...
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
@@ -221,9 +233,9 @@ def route_fwd_kernel(
 
 @triton.jit
 def _forward_rows(
-    block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, rstd_ptr,
+    block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
     rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
-    num_sources, T, eps,
+    num_sources, num_kept, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
@@ -254,8 +266,18 @@ def _forward_rows(
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-    for n in tl.range(0, num_sources, num_stages=STAGES):
-        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+    # two loops, one per way of getting rstd: a branch in one loop would keep its loads out of the
+    # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
+    for n in tl.range(0, num_kept, num_stages=STAGES):
+        rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
+        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
+        rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
+        if HAS_SECOND:
+            m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
+    for n in tl.range(num_kept, num_sources, num_stages=STAGES):
+        rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
+        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
         rstd = _rstd(x_lo, x_hi, eps, D)
         if STORE_STATS:
             # tl.store, as in place (_store_sums) gained nothing in sum: H200, ms of forward per step
@@ -263,7 +285,7 @@ def _forward_rows(
             # 0.609 / 0.453, full 1.308 / 2.266 / 2.474 against 1.301 / 2.300 / 2.474. A group's
             # other reads branch around it (sm90 registers, grouped 350M 253 to 234, 1B 195 to 190)
             if rstd_rows > 0:
-                tl.store(rstd_ptr + tl.cast(n, tl.int64) * T + tok, rstd, mask=tok < rstd_rows)
+                tl.store(rstd_ptr + tok, rstd, mask=tok < rstd_rows)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
@@ -324,7 +346,7 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 def route_site_bwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr, out_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
-    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr, rstd_ptr, rstd2_ptr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
     num_sources, num_second, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     TOTAL_FROM_OUT: tl.constexpr,
@@ -360,9 +382,9 @@ def route_site_bwd_kernel(
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
     IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
-    Each source's rstd comes from `rstd` (fp32 [sources, T], the read's forward's) instead of a
-    sum over the row, a cross-warp sum per source and read; with HAS_SECOND, the sources past
-    this read's from `rstd2`, the second read's forward's."""
+    Each source's rstd is loaded (the source table's, which the forwards wrote) instead of summed
+    over the row, a cross-warp sum per source and read. With HAS_SECOND `table` is the second
+    read's, whose first `num_sources` sources are this read's."""
     tl.static_assert(not (TOTAL_FROM_OUT and (HAS_GATE or GROUPED)), "a gated read's output is not its mix")
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
@@ -436,11 +458,9 @@ def route_site_bwd_kernel(
             w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
             w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
-            x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            rstd_row = rstd_ptr + tl.cast(n, tl.int64) * T
-            if HAS_SECOND:
-                rstd_row = tl.where(n < num_sources, rstd_row, rstd2_ptr + tl.cast(n - num_sources, tl.int64) * T)
-            rstd = tl.load(rstd_row + tok, mask=tok < T, other=1.0)
+            rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
+            x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
+            rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
             dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
@@ -565,7 +585,7 @@ def route_total_kernel(
     tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
-        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+        x_lo, x_hi = _load_rows(_source(table, n, src0_ptr, total_ptr)[0], row_offs, in_range, *cols)
         dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
