@@ -276,8 +276,7 @@ def _forward_rows(
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     for n in tl.range(num_kept, num_sources, num_stages=STAGES):
-        rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
-        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, 2, 0)
         rstd = _rstd(x_lo, x_hi, eps, D)
         if STORE_STATS:
             # tl.store, as in place (_store_sums) gained nothing in sum: H200, ms of forward per step
@@ -285,7 +284,7 @@ def _forward_rows(
             # 0.609 / 0.453, full 1.308 / 2.266 / 2.474 against 1.301 / 2.300 / 2.474. A group's
             # other reads branch around it (sm90 registers, grouped 350M 253 to 234, 1B 195 to 190)
             if rstd_rows > 0:
-                tl.store(rstd_ptr + tok, rstd, mask=tok < rstd_rows)
+                tl.store(_address(table, n, lse_ptr, 2, 1) + tok, rstd, mask=tok < rstd_rows)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
@@ -650,7 +649,7 @@ def route_source_bwd_kernel(
     HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
     sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). The partner's rows
-    are not read here, only its rstd (`partner_rstd`, fp32 [T], from a read's forward). (The
+    are not read here, only its rstd (`partner_rstd`, fp32 [T], kept with its mark). (The
     source's own rstd is summed from its rows: loaded from a table, its layout left the per-read
     loads duplicated in two layouts, 1B: 144 to 168 registers, with spills.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
