@@ -275,7 +275,10 @@ def _forward_rows(
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
-    for n in tl.range(num_kept, num_sources, num_stages=STAGES):
+    # a training forward meets one or two new sources. With a second read their loop goes
+    # unpipelined, which holds fewer registers (sm90, 1B: 255 with 24 bytes of spill, to 254 without;
+    # the grouped forward holds more so: 1B 168 to 220)
+    for n in tl.range(num_kept, num_sources, num_stages=1 if STORE_STATS and HAS_SECOND else STAGES):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, 2, 0)
         rstd = _rstd(x_lo, x_hi, eps, D)
         if STORE_STATS:
