@@ -15,12 +15,11 @@ ARGUMENT_TYPES = dict(
     table="*i64", readers="*i64", reads="*i64", num_sources="i32", num_kept="i32", num_second="i32", num_readers="i32",
     num_reads="i32", first="i32", T="i32", programs="i32", rows="i32", eps="fp32",
     **dict.fromkeys(("src0_ptr", "src_ptr", "null_ptr", "q_ptr", "g_ptr", "gate_ptr", "residual_ptr", "out_ptr",
-                     "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr",
+                     "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr", "partner_ptr",
                      "dgate_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
-                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr",
-                     "partner_rstd_ptr"), "*fp32"),
+                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr"), "*fp32"),
 )
 
 

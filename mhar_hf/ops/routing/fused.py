@@ -560,13 +560,14 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
     # pointer types for the table's loads, and a stand-in for pointers a launch does not use
     dout0, stat0 = (records[0][0].dout, records[0][0].lse) if records else (source, partial.acc)
     readers = _upload(addresses or [stat0.data_ptr()] * 6, source.device)  # no reads left: a row it never reads
-    left = None
+    other = left = None
     if partner is not None:
+        other = partner.source.contiguous()
         left = Partial(task, _empty((tokens, width), dtype=torch.float32, device=source.device),
                        _empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
     kernels.route_source_bwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         source, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
-        *((partner.rstd, left.acc, left.norm) if left is not None else (stat0, stat0, stat0)),
+        *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
         len(records), tokens, eps,
         HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,

@@ -634,7 +634,7 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
 @triton.jit
 def route_source_bwd_kernel(
     src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
-    partner_rstd_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
+    partner_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
     num_readers, T, eps,
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
@@ -651,10 +651,11 @@ def route_source_bwd_kernel(
     not yet run: in full mode the MLP output of the layer before an attention output): with
     HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
-    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). The partner's rows
-    are not read here, only its rstd (`partner_rstd`, fp32 [T], kept with its mark). (The
-    source's own rstd is summed from its rows: loaded from a table, its layout left the per-read
-    loads duplicated in two layouts, 1B: 144 to 168 registers, with spills.)"""
+    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). Its rows are read
+    here for their rstd only. (Both rstd are summed from the rows: loaded, rstd takes a layout
+    that leaves the per-read loads duplicated in two layouts. The source's own: 1B 144 to 168
+    registers, with spills; the partner's: loop instructions per read, sm90 build, 100M 531 to
+    602, 350M 921 to 1035, 1B 533 to 741.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -674,7 +675,8 @@ def route_source_bwd_kernel(
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         norm_sum = tl.zeros([BLOCK_T], tl.float32)
     if HAS_PARTNER:
-        y_rstd = tl.load(partner_rstd_ptr + tok, mask=tok < T, other=1.0)
+        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols)
+        y_rstd = _rstd(y_lo, y_hi, eps, D)
         y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
