@@ -81,8 +81,7 @@ class MHARRouter(nn.Module):
             routers = (self, *ahead)
             if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
                 raise ValueError("grouped reads are of gated routers of the same heads and eps")
-            names = Read._fields
-            reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in names)) for r in routers]
+            reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in Read._fields)) for r in routers]
             return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
         if begin is not None:
             if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
@@ -310,8 +309,11 @@ def _whole_here(reads_ahead) -> bool:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return all(not isinstance(layer, FSDPModule) or all(isinstance(p, DTensor) for p in router.parameters())
-               for layer, router in ((layer, getattr(layer, name)) for layer, name in reads_ahead))
+    for layer, name in reads_ahead:
+        unsharded = not all(isinstance(p, DTensor) for p in getattr(layer, name).parameters())
+        if isinstance(layer, FSDPModule) and unsharded:
+            return False
+    return True
 
 
 def _whole(param: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
