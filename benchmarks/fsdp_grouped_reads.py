@@ -34,18 +34,18 @@ def sharded(preset: str) -> torch.nn.Module:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["100M", "350M", "1B"])
+    parser.add_argument("--presets", nargs="+", default=["100M", "350M", "1B"], choices=list(MICRO_BATCH))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
+    whole_here = modeling_mhar._whole_here
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
         try:
             print("| preset | reads | step ms | tokens/s | peak GiB |")
             print("|---|---|---|---|---|")
-            whole_here = modeling_mhar._whole_here
             for preset in args.presets:
                 batch, seq = MICRO_BATCH[preset]
                 for label, rule in (("grouped", whole_here), ("one by one", lambda reads_ahead: False)):
@@ -56,8 +56,8 @@ def main():
                           f"| {result['peak_mem_gib']} |", flush=True)
                     del model
                     torch.cuda.empty_cache()
-            modeling_mhar._whole_here = whole_here
         finally:
+            modeling_mhar._whole_here = whole_here
             dist.destroy_process_group()
 
 

@@ -44,6 +44,12 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_mhar import MHARConfig
 from .routing import Read, route, route_and_start, route_group, track
 
+if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+else:
+    FSDPModule = DTensor = None
+
 
 class MHARRouter(nn.Module):
     """One routing site: a pseudo-query and a key-norm weight; in delta mode also a null source
@@ -304,14 +310,10 @@ def _whole_here(reads_ahead) -> bool:
     are gathered for the group (`_whole`). But a layer it has unsharded early (prefetched) frees
     its whole parameters again after its forward, before the group's backward needs them: then
     each router reads in its own layer."""
-    if not torch.distributed.is_available():
+    if FSDPModule is None:
         return True
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     for layer, name in reads_ahead:
-        unsharded = not all(isinstance(p, DTensor) for p in getattr(layer, name).parameters())
-        if isinstance(layer, FSDPModule) and unsharded:
+        if isinstance(layer, FSDPModule) and not all(isinstance(p, DTensor) for p in getattr(layer, name).parameters()):
             return False
     return True
 
@@ -320,11 +322,7 @@ def _whole(param: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tenso
     """A router parameter as one whole tensor, in the dtype of `like`, the same parameter of the
     router that runs (which FSDP2 has unsharded in its compute dtype). A sharded one (DTensor) is
     gathered, and its gradient averaged over the ranks and scattered back, as FSDP2 does its own."""
-    if param is None or not torch.distributed.is_available():
-        return param
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    if not isinstance(param, DTensor):
+    if DTensor is None or not isinstance(param, DTensor):
         return param
     dims = param.device_mesh.ndim
     whole = param.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)

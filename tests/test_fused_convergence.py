@@ -93,28 +93,34 @@ def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
         assert torch.equal(checkpointed[name], grad), name  # recomputation reproduces the kernels bit for bit
 
 
-def group_sizes(monkeypatch) -> list[int]:
-    """Per grouped forward launch, the reads it computes (a gated read alone is a group of one)."""
-    sizes, forward_group = [], fused._forward_group
+def spy_groups(monkeypatch, record) -> None:
+    """Calls `record(reads)` at every grouped forward launch (a gated read alone is a group of one)."""
+    forward_group = fused._forward_group
 
     def spy(sources, table, reads, *args, **kwargs):
-        sizes.append(len(reads))
+        record(reads)
         return forward_group(sources, table, reads, *args, **kwargs)
 
     monkeypatch.setattr(fused, "_forward_group", spy)
+
+
+def group_sizes(monkeypatch) -> list[int]:
+    """Per grouped forward launch, the reads it computes."""
+    sizes = []
+    spy_groups(monkeypatch, lambda reads: sizes.append(len(reads)))
     return sizes
 
 
-def shard(model, world: int, rank: int, store) -> None:
-    """`model` sharded with FSDP2 as the training config does it (each decoder layer a unit),
-    in a gloo process group of `world` processes on CPU."""
+def shard(model, world: int, rank: int, store, **options) -> None:
+    """`model` sharded with FSDP2 as the training config does it (each decoder layer a unit; `options`
+    for fully_shard), in a gloo process group of `world` processes on CPU."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
 
 
 @pytest.mark.parametrize("variant, sizes_seen", [
@@ -157,24 +163,16 @@ def test_fsdp2_grouped_reads_take_the_compute_dtype(tmp_path, monkeypatch):
     """With FSDP2's mixed precision (bf16 compute over fp32 shards) the gathered routers come in
     bf16, as FSDP2 unshards the running layer's, so the block's reads still group."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if DEVICE != "cpu":
         pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
-    groups, forward_group = [], fused._forward_group
-
-    def spy(sources, table, reads, *args, **kwargs):
-        groups.append((len(reads), {t.dtype for read in reads for t in read}))
-        return forward_group(sources, table, reads, *args, **kwargs)
-
-    monkeypatch.setattr(fused, "_forward_group", spy)
+    groups = []
+    spy_groups(monkeypatch, lambda reads: groups.append((len(reads), {t.dtype for read in reads for t in read})))
     model = randomised(tiny_model("delta", "fused")).train()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard(model, 1, 0, tmp_path / "store", mp_policy=policy)
     try:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
         grads = fused_gradients(model, next(batches(1)))
     finally:
         dist.destroy_process_group()
