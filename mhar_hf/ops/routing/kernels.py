@@ -134,13 +134,24 @@ def _rstd(x_lo, x_hi, eps, D: tl.constexpr):
     return tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp(x):
+    """exp(x) as 2^(x log2 e). `tl.exp` lowers to the same hardware exp2 behind a range check per
+    value that keeps results below 2^-126 from flushing to zero (three more instructions): no
+    softmax weight that small changes an fp32 sum."""
+    return tl.math.exp2(x * LOG2E)
+
+
 @triton.jit
 def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
     """Fold one source (`rstd` its inverse RMS) into the running (max, sum, mix) of an online softmax."""
     logit = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * rstd[:, None]
     m_new = tl.maximum(m, logit)
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(logit - m_new)
+    alpha = _exp(m - m_new)
+    p = _exp(logit - m_new)
     scale, p3 = alpha[:, :, None], p[:, :, None]
     return m_new, l * alpha + p, acc_lo * scale + p3 * x_lo, acc_hi * scale + p3 * x_hi
 
@@ -293,7 +304,7 @@ def _forward_rows(
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     if HAS_NULL:  # its weight now (loaded again: registers bound how many programs run at once)
         again_lo, again_hi = _load_vector(null_ptr, *cols)
-        p_null = tl.exp(null_logit - m)[:, :, None]
+        p_null = _exp(null_logit - m)[:, :, None]
         acc_lo += p_null * again_lo[None, :, :]
         acc_hi += p_null * again_hi[None, :, :]
     inv = 1.0 / l[:, :, None]
@@ -317,7 +328,7 @@ def _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi):
     """For one source (`rstd` its inverse RMS per token) of one read: dots [T, H], weights w [T, H]
     and P = <dout_h, x_h> [T, H]."""
     dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
-    return dots, tl.exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
+    return dots, _exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
 
 
 @triton.jit
@@ -481,13 +492,13 @@ def route_site_bwd_kernel(
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
                 p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
                 _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2, IN_PLACE)
-                w2 = tl.exp(dots2 * rstd[:, None] - lse2)
+                w2 = _exp(dots2 * rstd[:, None] - lse2)
                 dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
         if HAS_NULL:  # what varies with the token: P, w, dlogit, and w dout (weight 0 in padded rows)
             p = _head_dots(dout_lo, dout_hi, null_lo, null_hi)
-            w = tl.exp(null_logit - lse)
+            w = _exp(null_logit - lse)
             if not TOTAL_FROM_OUT:
                 total += w * p
             null_dlogit += w * (p - total)
@@ -622,12 +633,15 @@ def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, 
 def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
     """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
     <x_h, (g*q)_h> and P = <dout_h, x_h>."""
-    w = tl.exp(dots * rstd[:, None] - lse)
+    w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
     w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
-    acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
-    acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
+    # two additions, each a multiply-add: `acc + (w dout + c gq)` is three instructions per element
+    acc_lo = acc_lo + w3 * dout_lo
+    acc_hi = acc_hi + w3 * dout_hi
+    acc_lo = acc_lo + dlogit_rstd * gq_lo[None, :, :]
+    acc_hi = acc_hi + dlogit_rstd * gq_hi[None, :, :]
     return acc_lo, acc_hi, norm_sum + tl.sum(dlogit * dots, 1)
 
 
