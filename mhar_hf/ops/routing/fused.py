@@ -83,6 +83,11 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _assembly() -> bool:
+    """Whether kernels may run NVIDIA assembly (their PTX flag): not under the interpreter or on ROCm."""
+    return not _interpreted() and torch.version.hip is None
+
+
 @functools.cache  # called for every read
 def _tile(width: int, num_heads: int) -> dict:
     """The kernels' tile constants: each head's columns in two power-of-two tiles (kernels.py)."""
@@ -100,8 +105,8 @@ def _padded_width(tile: dict) -> int:
 @functools.cache  # per call this is host time on the critical path; sweep_launch.py clears it
 def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     """The tile constants and launch shape (BLOCK_T, num_warps, and STAGES for a kernel with a
-    loop) of one kernel for this width and H."""
-    tile = _tile(width, num_heads)
+    loop) of one kernel for this width and H, and whether it may run NVIDIA assembly (PTX)."""
+    tile = dict(_tile(width, num_heads), PTX=_assembly())
     rows, per_warp, *stages = LAUNCH[kind]
     if not rows:  # the rows that fit one warp (a power of two: a tile dimension)
         rows = 1 << (max(1, per_warp // _padded_width(tile)).bit_length() - 1)
@@ -127,7 +132,7 @@ def _stores_in_place(launch: dict, second: bool) -> bool:
     1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
     0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
     place: 2.47)."""
-    return not _interpreted() and torch.version.hip is None and (launch["num_warps"] > 1 or not second)
+    return _assembly() and (launch["num_warps"] > 1 or not second)
 
 
 @functools.cache

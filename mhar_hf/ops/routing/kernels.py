@@ -52,8 +52,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False):
-    return tl.load(ptr + offs, mask=mask, other=0.0, volatile=AGAIN).to(tl.float32)
+def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False, PTX: tl.constexpr = False):
+    tile = tl.load(ptr + offs, mask=mask, other=0.0, volatile=AGAIN)
+    if PTX and tile.dtype == tl.bfloat16 and tile.shape[-1] > 1:
+        return _bf16_pairs_to_fp32(tile)
+    return tile.to(tl.float32)
+
+
+@triton.jit
+def _bf16_pairs_to_fp32(tile):
+    """A bf16 tile in fp32, two elements per 32-bit word: a bf16 is the top half of its fp32, so
+    the word shifted left gives the first and the word masked the second, one instruction each.
+    The compiler's conversion takes three a pair: it moves the second's half out first (sm90
+    build, loop instructions per source at 350M: forward 289 to 265, site 199 to 191)."""
+    return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [tile],
+                                     dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -90,20 +103,22 @@ def _load_gq(g_ptr, q_ptr, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
-def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, AGAIN: tl.constexpr = False):
+def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr, AGAIN: tl.constexpr = False):
     """Rows of a [T, D] tensor as two fp32 tiles: `row_offs` ([BLOCK_T, 1, 1]) their offsets,
     `row_ok` which rows to load (zeros in the others). AGAIN: rows this program has loaded
     before, loaded anew (a volatile load, which the compiler cannot merge with the first one and
-    so hold the rows in registers in between)."""
-    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN),
-            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN))
+    so hold the rows in registers in between). PTX: NVIDIA assembly may convert bf16 rows
+    (_bf16_pairs_to_fp32; not under the interpreter or on ROCm)."""
+    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN, PTX),
+            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN, PTX))
 
 
 @triton.jit
-def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
+def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr,
                       STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
     """Token rows of the tensor at entry (i, FIELD) of an address table."""
-    return _load_rows(_address(table, i, like_ptr, STRIDE, FIELD), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi)
+    return _load_rows(_address(table, i, like_ptr, STRIDE, FIELD), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
+                      PTX)
 
 
 @triton.jit
@@ -184,6 +199,7 @@ def route_fwd_kernel(
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
@@ -236,10 +252,10 @@ def route_fwd_kernel(
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
             _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND, GROUPED, D,
-                          H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES)
+                          H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
         _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND,
-                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES)
+                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
 
 
 @triton.jit
@@ -250,7 +266,7 @@ def _forward_rows(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
-    BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
 ):
     """route_fwd_kernel's work on token block `block`, given what its program computed once."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -262,7 +278,7 @@ def _forward_rows(
     if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
         m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
         l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
-        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
+        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols, PTX)
     else:
         acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
@@ -281,7 +297,7 @@ def _forward_rows(
     # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
     for n in tl.range(0, num_kept, num_stages=STAGES):
         rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
-        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
+        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
         rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
@@ -290,7 +306,7 @@ def _forward_rows(
     # unpipelined, which holds fewer registers (sm90, 1B: 255 with 24 bytes of spill, to 254 without;
     # the grouped forward holds more so: 1B 168 to 220)
     for n in tl.range(num_kept, num_sources, num_stages=1 if STORE_STATS and HAS_SECOND else STAGES):
-        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, 2, 0)
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, PTX, 2, 0)
         rstd = _rstd(x_lo, x_hi, eps, D)
         if STORE_STATS:
             # tl.store, as in place (_store_sums) gained nothing in sum: H200, ms of forward per step
@@ -312,7 +328,7 @@ def _forward_rows(
     if HAS_GATE:
         out_lo, out_hi = gate * out_lo, gate * out_hi
         if not GROUPED:
-            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
+            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols, PTX)
             out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
     _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
     if STORE_STATS:
@@ -365,7 +381,7 @@ def route_site_bwd_kernel(
     TOTAL_FROM_OUT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    IN_PLACE: tl.constexpr, PTX: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -448,13 +464,13 @@ def route_site_bwd_kernel(
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_offs = tok[:, None, None].to(tl.int64) * D
         in_range = (tok < T)[:, None, None]
-        dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
+        dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
         stat_mask = (tok < T)[:, None] & (head < H)[None, :]
         lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
         if HAS_SECOND:
-            dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols)
+            dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols, PTX)
             lse2 = tl.load(lse2_ptr + stat_offs, mask=stat_mask, other=float("inf"))
             total2 = tl.load(total2_ptr + stat_offs, mask=stat_mask, other=0.0)
 
@@ -464,7 +480,7 @@ def route_site_bwd_kernel(
         # S first: one row-wide sum instead of two (sm90 build, per source: 350M 242 to 219 instructions,
         # 155 to 125 registers; 1B 290 to 256, and no more spills there)
         if TOTAL_FROM_OUT:
-            out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols)
+            out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
             total = _head_dots(dout_lo, dout_hi, out_lo, out_hi)
         else:
             total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
@@ -472,7 +488,7 @@ def route_site_bwd_kernel(
             w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
             rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
-            x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols)
+            x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
             rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
             dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
@@ -579,7 +595,7 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
 def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
     site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), g*q in fp32
@@ -593,12 +609,12 @@ def route_total_kernel(
     in_range = (tok < T)[:, None, None]
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
-    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
-    out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols)
+    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
+    out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
     tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
-        x_lo, x_hi = _load_rows(_source(table, n, src0_ptr, total_ptr)[0], row_offs, in_range, *cols)
+        x_lo, x_hi = _load_rows(_source(table, n, src0_ptr, total_ptr)[0], row_offs, in_range, *cols, PTX)
         dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
@@ -609,10 +625,10 @@ def route_total_kernel(
 
 @triton.jit
 def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in_range, stat_offs, stat_mask,
-                 col_lo, mask_lo, col_hi, mask_hi):
+                 col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr):
     """Row k of the reader table: that read's output gradient rows, lse, S, g*q and scale."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 6, 0)
+    dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, PTX, 6, 0)
     lse = tl.load(_address(readers, k, stat0_ptr, 6, 1) + stat_offs, mask=stat_mask, other=float("inf"))
     total = tl.load(_address(readers, k, stat0_ptr, 6, 2) + stat_offs, mask=stat_mask, other=0.0)
     gq_ptr = _address(readers, k, stat0_ptr, 6, 3)
@@ -653,6 +669,7 @@ def route_source_bwd_kernel(
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 6] address table: per
@@ -679,23 +696,23 @@ def route_source_bwd_kernel(
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
 
-    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX)
     rstd = _rstd(x_lo, x_hi, eps, D)
     if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq, and of sum_h dlogit dots
-        acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols)
+        acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols, PTX)
         norm_sum = tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
     else:
         acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         norm_sum = tl.zeros([BLOCK_T], tl.float32)
     if HAS_PARTNER:
-        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols)
+        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols, PTX)
         y_rstd = _rstd(y_lo, y_hi, eps, D)
         y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
-        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows)
+        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows, PTX)
         dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
         acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
                                                  acc_lo, acc_hi, norm_sum)
@@ -706,10 +723,10 @@ def route_source_bwd_kernel(
     norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
     # the rows loaded again, not held through the loop, which needs only their rstd: registers
     # bound how many programs a multiprocessor runs at once
-    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, AGAIN=True)
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX, AGAIN=True)
     dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
-        grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols)
+        grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols, PTX)
         dx_lo += grad_lo
         dx_hi += grad_hi
     _store_rows(dsrc_ptr, row_offs, in_range, dx_lo, dx_hi, *cols)
