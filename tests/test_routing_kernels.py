@@ -14,6 +14,8 @@ import weakref
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, track
 from mhar_hf.routing import Read, route, route_group, route_reference
@@ -111,6 +113,24 @@ def test_tuned_launch_at_training_size(heads, n):
     assert rel_rms(out, ref) < TOLERANCE[torch.bfloat16]
     for grad, expected in zip(grads, ref_grads, strict=True):
         assert rel_rms(grad, expected) < TOLERANCE[torch.bfloat16]
+
+
+@triton.jit
+def _converted(src_ptr, dst_ptr, N: tl.constexpr):
+    """The rows of a bf16 tile as the kernels convert them with PTX (kernels._bf16_pairs_to_fp32)."""
+    offs = tl.arange(0, N)[None, None, None, :]
+    tl.store(dst_ptr + offs, kernels._load_tile(src_ptr, offs, offs < N, PTX=True))
+
+
+@pytest.mark.skipif(not GPU, reason="NVIDIA assembly runs in compiled kernels only")
+def test_bf16_rows_convert_bit_for_bit():
+    """Two bf16 per 32-bit word, shifted and masked: each fp32 equals torch's conversion bit for
+    bit, in order, subnormals, infinities and NaN included."""
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), float("nan"), 3.0])
+    values = torch.cat([special, torch.randn(248)]).to(DEVICE, torch.bfloat16)
+    out = torch.full((256,), float("nan"), device=DEVICE)
+    _converted[(1,)](values, out, N=256)
+    assert torch.equal(out.view(torch.int32), values.float().view(torch.int32))
 
 
 @pytest.mark.skipif(GPU, reason="the GPU run covers 16-bit sources in every shape above")
@@ -780,7 +800,7 @@ def test_kernels_compile_for_sm90():
         split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True,
                      HAS_INIT=True, HAS_PARTNER=True, GROUPED=False, TOTAL_FROM_OUT=True)
         grouped = dict(gated, GROUPED=True)
-        shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
+        shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2), (36, 12, 1, 4))  # the last: d/H = 3
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
