@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, track
+from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, kernels, track
 from mhar_hf.routing import Read, route, route_group, route_reference
 from mhar_hf.tiny import tiny_config
 
