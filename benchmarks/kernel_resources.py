@@ -33,20 +33,21 @@ from mhar_hf.ops.routing.ahead import compile_kernel
 from sweep_launch import parse_choice
 
 VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a training step
-    ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_LSE=True)),
-    ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_SECOND=True)),
-    ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_LSE=True, HAS_INIT=True)),
+    ("forward", "whole", kernels.route_fwd_kernel, dict(STORE_STATS=True)),
+    ("forward", "begins a second", kernels.route_fwd_kernel, dict(STORE_STATS=True, HAS_SECOND=True)),
+    ("forward", "ends a begun one", kernels.route_fwd_kernel, dict(STORE_STATS=True, HAS_INIT=True)),
     ("group_forward", "gated, null", kernels.route_fwd_kernel,
-     dict(STORE_LSE=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
-    ("site", "whole", kernels.route_site_bwd_kernel, {}),
-    ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True)),
+     dict(STORE_STATS=True, HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
+    ("site", "whole", kernels.route_site_bwd_kernel, dict(TOTAL_FROM_OUT=True)),
+    ("site", "with a second", kernels.route_site_bwd_kernel, dict(HAS_SECOND=True, TOTAL_FROM_OUT=True)),
     ("site", "grouped, gated, null", kernels.route_site_bwd_kernel, dict(HAS_NULL=True, HAS_GATE=True, GROUPED=True)),
-    ("site_few", "whole", kernels.route_site_bwd_kernel, {}),
+    ("site_few", "whole", kernels.route_site_bwd_kernel, dict(TOTAL_FROM_OUT=True)),
     ("source", "alone", kernels.route_source_bwd_kernel, {}),
     ("source_paired", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
 ]
-FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_LSE", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED")
+FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_STATS", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED",
+         "TOTAL_FROM_OUT")
 
 
 def cuobjdump() -> str:

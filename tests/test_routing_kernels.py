@@ -14,8 +14,10 @@ import weakref
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, track
+from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, kernels, track
 from mhar_hf.routing import Read, route, route_group, route_reference
 from mhar_hf.tiny import tiny_config
 
@@ -70,9 +72,18 @@ SHAPES = [  # (sources, width, heads, tokens, batch, null source)
 ]
 
 
+@pytest.fixture(params=[1, 10**9], ids=["S-from-output", "S-in-the-loop"])
+def total_from_out(request, monkeypatch) -> bool:
+    """Both ways an ungated read's site kernel gets S (fused.TOTAL_FROM_OUT_MIN_SOURCES): True when
+    from the read's output."""
+    monkeypatch.setattr(fused, "TOTAL_FROM_OUT_MIN_SOURCES", request.param)
+    return request.param == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, width, heads, tokens, batch, null", SHAPES)
-def test_forward_and_every_gradient_match_fp64_reference(n, width, heads, tokens, batch, null, dtype):
+def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, width, heads, tokens, batch, null,
+                                                         dtype):
     sources, query, norm_weight, null_source = routing_inputs(n, width, tokens, batch, dtype, null)
     grad_out = torch.randn(batch, tokens, width, device=DEVICE)
     out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
@@ -102,6 +113,24 @@ def test_tuned_launch_at_training_size(heads, n):
     assert rel_rms(out, ref) < TOLERANCE[torch.bfloat16]
     for grad, expected in zip(grads, ref_grads, strict=True):
         assert rel_rms(grad, expected) < TOLERANCE[torch.bfloat16]
+
+
+@triton.jit
+def _converted(src_ptr, dst_ptr, N: tl.constexpr):
+    """The rows of a bf16 tile as the kernels convert them with PTX (kernels._bf16_pairs_to_fp32)."""
+    offs = tl.arange(0, N)[None, None, None, :]
+    tl.store(dst_ptr + offs, kernels._load_tile(src_ptr, offs, offs < N, PTX=True))
+
+
+@pytest.mark.skipif(not GPU, reason="NVIDIA assembly runs in compiled kernels only")
+def test_bf16_rows_convert_bit_for_bit():
+    """Two bf16 per 32-bit word, shifted and masked: each fp32 equals torch's conversion bit for
+    bit, in order, subnormals, infinities and NaN included."""
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), float("nan"), 3.0])
+    values = torch.cat([special, torch.randn(248)]).to(DEVICE, torch.bfloat16)
+    out = torch.full((256,), float("nan"), device=DEVICE)
+    _converted[(1,)](values, out, N=256)
+    assert torch.equal(out.view(torch.int32), values.float().view(torch.int32))
 
 
 @pytest.mark.skipif(GPU, reason="the GPU run covers 16-bit sources in every shape above")
@@ -314,6 +343,29 @@ def chained(mark):
     return mark_all
 
 
+def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, heads=4):
+    """A training read computes the rstd of the sources no read has taken before, and keeps it
+    with their marks; later reads load it (their forward sums only the newest): `kept` counts the
+    leading sources whose rstd the forward loads. A read with another eps sums its own."""
+    kept, forward = [], fused._forward
+    monkeypatch.setattr(fused, "_forward", lambda *args, **kwargs: kept.append(kwargs["kept"]) or forward(*args,
+                                                                                                          **kwargs))
+    sources, query, norm_weight, _ = routing_inputs(4, 64, 11)
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    marked = chained(track)(leaves)
+    outs = [fused_route(marked[:n], query, norm_weight, heads, EPS) for n in (2, 3, 4)]
+    assert kept == [0, 2, 3]
+    sum(o.sum() for o in outs).backward()
+    twins = [s.detach().double().requires_grad_() for s in sources]
+    sum(route_reference(twins[:n], fp64(query), fp64(norm_weight), heads, EPS).sum() for n in (2, 3, 4)).backward()
+    for leaf, twin in zip(leaves, twins, strict=True):
+        assert rel_rms(leaf.grad, twin.grad) < 1e-5
+    other_eps = fused_route(marked, query, norm_weight, heads, 0.5)  # forward only: a source's reads share one eps
+    assert kept[-1] == 0
+    assert rel_rms(other_eps, route_reference([fp64(s) for s in sources], fp64(query), fp64(norm_weight), heads,
+                                              0.5)) < 1e-5
+
+
 @pytest.mark.parametrize("marking", ["chained", "separately"])
 def test_tracked_sources_sum_every_read_and_other_uses(spies, marking, heads=4):
     """Sources read by several sites with different queries, and used elsewhere too, match the
@@ -369,7 +421,8 @@ def split_pair(sources, params, shared, heads, fused):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("loss_of", ["both", "first", "second"])
 @pytest.mark.parametrize("shared, more, width, heads, tokens", SPLIT_SHAPES)
-def test_split_reads_and_every_gradient_match_fp64_reference(shared, more, width, heads, tokens, loss_of, dtype):
+def test_split_reads_and_every_gradient_match_fp64_reference(total_from_out, shared, more, width, heads, tokens,
+                                                             loss_of, dtype):
     """A read begun with the one before it (one forward pass, one site pass for both) gives both
     reads' outputs and every gradient of the two reads computed whole; also when only one of
     them reaches the loss."""
@@ -562,7 +615,7 @@ def test_a_partial_backward_leaves_nothing_behind():
 
 
 class LaunchSpy:
-    """Wraps a kernel: records each launch's flags (HAS_*, GROUPED), then launches it."""
+    """Wraps a kernel: records each launch's flags (the constexprs it sets True), then launches it."""
 
     def __init__(self, kernel):
         self.kernel, self.flags = kernel, []
@@ -576,7 +629,7 @@ class LaunchSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.flags.append({k for k, v in kwargs.items() if (k.startswith("HAS_") or k == "GROUPED") and v})
+            self.flags.append({k for k, v in kwargs.items() if v is True})
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -621,8 +674,8 @@ MODEL_READS = [("full", 8, 9, 3, 3, 0), ("block", 8, 9, 0, 0, 0), ("delta", 2, 2
 
 
 @pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs, groups", MODEL_READS)
-def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, reads, sources, pairs, source_pairs,
-                                                                  groups):
+def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_from_out, mode, reads, sources, pairs,
+                                                                  source_pairs, groups):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source, totals = spies
@@ -635,10 +688,12 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, mode, r
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
     assert (forward.count("GROUPED"), site.count("GROUPED")) == (groups, groups)
+    # an ungated read's site pass takes S from its output (the mix); a gated read's output is not
+    assert site.count("TOTAL_FROM_OUT") == (reads - pairs if total_from_out and mode != "delta" else 0)
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
-def test_model_gradients_match_the_fp64_reference_model(mode):
+def test_model_gradients_match_the_fp64_reference_model(total_from_out, mode):
     """Every parameter's gradient through a whole model with the kernels (split pairs, source
     pairs, the terms each read leaves for the source kernel, some written by a split pair's
     second read before the pair's site kernel writes the rest) against the same model in fp64
@@ -740,12 +795,12 @@ def test_kernels_compile_for_sm90():
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
-        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_LSE=True, HAS_GRAD_IN=True, HAS_SECOND=False, HAS_INIT=False,
-                     HAS_PARTNER=False, GROUPED=False)
-        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_LSE=True, HAS_GRAD_IN=False, HAS_SECOND=True, HAS_INIT=True,
-                     HAS_PARTNER=True, GROUPED=False)
+        gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False,
+                     HAS_INIT=False, HAS_PARTNER=False, GROUPED=False, TOTAL_FROM_OUT=False)
+        split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True,
+                     HAS_INIT=True, HAS_PARTNER=True, GROUPED=False, TOTAL_FROM_OUT=True)
         grouped = dict(gated, GROUPED=True)
-        shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2))
+        shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2), (36, 12, 1, 4))  # the last: d/H = 3
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
@@ -760,23 +815,43 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
     """Per source, the site kernel stores the read's dots and P (per-head sums). Through tl.store
     each went to shared memory and back behind a barrier (a layout change the compiler adds for the
     store); IN_PLACE stores them from the threads that hold them (the GPU's form; measured in
-    fused._stores_in_place). Read from the Hopper build at d = 1024, H = 8 (the 350M shape)."""
+    fused._stores_in_place). Nor does it sum over heads per source, a grouped read's or a split
+    pair's (rstd comes from the forward's table). And where S comes from the read's output
+    (TOTAL_FROM_OUT) the loop carries one row-wide sum instead of two. Read from the Hopper build
+    at d = 1024, H = 8 (the 350M shape)."""
     script = textwrap.dedent("""
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
-        def changes_in_source_loop(in_place):
-            flags = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, IN_PLACE=in_place)
-            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, 1024, 8, 1, 2).asm["ttgir"]
-            loop = ttgir[ttgir.index("to %num_sources"):]
-            return loop[:loop.index("scf.yield")].count("ttg.convert_layout")
+        grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, TOTAL_FROM_OUT=False)
+        pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False, TOTAL_FROM_OUT=True)
+        single = dict(pair, HAS_SECOND=False)
 
-        print("changes", changes_in_source_loop(True), changes_in_source_loop(False))
+        def source_loop(flags, in_place=True):
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, dict(flags, IN_PLACE=in_place), 1024, 8, 1,
+                                   2).asm["ttgir"]
+            loop = ttgir[ttgir.index("to %num_"):]
+            return loop[:loop.index("scf.yield")]
+
+        def sums_over_heads(loop):
+            return sum('"tt.reduce"' in line and "axis = 1" in line for line in loop.splitlines())
+
+        def row_sums(loop):  # what the loop carries that is as wide as a row (d/H = 128: one tile)
+            return loop.splitlines()[0].split("->")[1].count("tensor<1x8x128xf32")
+
+        in_place, through_store = source_loop(grouped), source_loop(grouped, False)
+        print("changes", in_place.count("ttg.convert_layout"), through_store.count("ttg.convert_layout"))
+        print("sums over heads", sums_over_heads(in_place), sums_over_heads(source_loop(pair)))
+        print("row sums", row_sums(in_place), row_sums(source_loop(single)), row_sums(source_loop(pair)))
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
-    in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split())
+    in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split()[:2])
     assert in_place == 0 and through_store >= 2, result.stdout
+    grouped, pair = (int(n) for n in result.stdout.split("sums over heads")[1].split()[:2])
+    assert grouped == 0 and pair == 0, result.stdout  # rstd from the forward's table
+    grouped, single, pair = (int(n) for n in result.stdout.split("row sums")[1].split())
+    assert grouped == 2 and single == 1 and pair == 1, result.stdout  # S from the output: one
 
 
 @pytest.mark.parametrize("interpreted, hip, warps, second, in_place", [

@@ -12,11 +12,11 @@ from .fused import PARTIALS_TILE, _tile
 
 # the type of every kernel argument that is not a constexpr, by name (sources and outputs as bf16)
 ARGUMENT_TYPES = dict(
-    table="*i64", readers="*i64", reads="*i64", num_sources="i32", num_second="i32", num_readers="i32",
+    table="*i64", readers="*i64", reads="*i64", num_sources="i32", num_kept="i32", num_second="i32", num_readers="i32",
     num_reads="i32", first="i32", T="i32", programs="i32", rows="i32", eps="fp32",
     **dict.fromkeys(("src0_ptr", "src_ptr", "null_ptr", "q_ptr", "g_ptr", "gate_ptr", "residual_ptr", "out_ptr",
-                     "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr",
-                     "partner_ptr", "dgate_ptr"), "*bf16"),
+                     "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr", "partner_ptr",
+                     "dgate_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
                      "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr"), "*fp32"),
@@ -26,10 +26,10 @@ ARGUMENT_TYPES = dict(
 def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps: int, stages: int = 3,
                    capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
-    (the HAS_* constexprs, and IN_PLACE, by default as on a GPU; those it does not take are
-    ignored), tile and launch shape."""
+    (the HAS_* constexprs, and IN_PLACE and PTX, by default as on a GPU; those it does not take
+    are ignored), tile and launch shape."""
     block_p, block_d = PARTIALS_TILE["read"]
-    constants = {"IN_PLACE": True, **flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages,
+    constants = {"IN_PLACE": True, "PTX": True, **flags, **_tile(width, heads), "BLOCK_T": rows, "STAGES": stages,
                  "BLOCK_P": block_p, "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}

@@ -61,6 +61,12 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (4, 2048, 3), "source_paired": (2, 2048, 3),
           "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
+# An ungated read of at least this many sources takes S from its output in the site kernel
+# (TOTAL_FROM_OUT): 5-14 % fewer instructions per source in the sm90 build, for one more row loaded
+# per token block, which a read of few sources feels most. NOT YET MEASURED: at 8, the extra row
+# is about as large a share of the read's bytes (1/9 or less) as the instructions it saves
+# (`sweep_launch.py --constant TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000` measures it).
+TOTAL_FROM_OUT_MIN_SOURCES = 8
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
 # 16 x SM partials per column; 32 bytes per row is one memory sector. A group's launch sums the
@@ -75,6 +81,11 @@ INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program c
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _assembly() -> bool:
+    """Whether kernels may run NVIDIA assembly (their PTX flag): not under the interpreter or on ROCm."""
+    return not _interpreted() and torch.version.hip is None
 
 
 @functools.cache  # called for every read
@@ -94,8 +105,8 @@ def _padded_width(tile: dict) -> int:
 @functools.cache  # per call this is host time on the critical path; sweep_launch.py clears it
 def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     """The tile constants and launch shape (BLOCK_T, num_warps, and STAGES for a kernel with a
-    loop) of one kernel for this width and H."""
-    tile = _tile(width, num_heads)
+    loop) of one kernel for this width and H, and whether it may run NVIDIA assembly (PTX)."""
+    tile = dict(_tile(width, num_heads), PTX=_assembly())
     rows, per_warp, *stages = LAUNCH[kind]
     if not rows:  # the rows that fit one warp (a power of two: a tile dimension)
         rows = 1 << (max(1, per_warp // _padded_width(tile)).bit_length() - 1)
@@ -107,6 +118,12 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     return dict(tile, BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
 
 
+def _total_from_out(gate, num_sources: int) -> bool:
+    """Whether a read's site kernel takes S from its output (see TOTAL_FROM_OUT_MIN_SOURCES): only
+    an ungated read's output is its mix."""
+    return gate is None and num_sources >= TOTAL_FROM_OUT_MIN_SOURCES
+
+
 def _stores_in_place(launch: dict, second: bool) -> bool:
     """Whether a site launch stores its per-head sums from the threads that hold them
     (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
@@ -115,7 +132,7 @@ def _stores_in_place(launch: dict, second: bool) -> bool:
     1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
     0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
     place: 2.47)."""
-    return not _interpreted() and torch.version.hip is None and (launch["num_warps"] > 1 or not second)
+    return _assembly() and (launch["num_warps"] > 1 or not second)
 
 
 @functools.cache
@@ -283,10 +300,35 @@ def _addresses(tensors) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in tensors)
 
 
-def _with_table(sources) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The sources as the kernels take them (`_aligned`), and their address table."""
+def _with_table(sources, rstd: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The sources as the kernels take them (`_aligned`), and their table: per source the
+    addresses of its rows and of its rstd (`rstd`, fp32 [T] each, from `_source_rstd`). Without
+    them the rows' address stands in: a forward that keeps nothing sums every rstd itself."""
     sources = _aligned(sources)
-    return sources, _address_table(_addresses(sources), sources[0].device)
+    pairs = zip(_addresses(sources), _addresses(rstd if rstd is not None else sources))
+    return sources, _address_table(tuple(address for pair in pairs for address in pair), sources[0].device)
+
+
+def _source_rstd(sources, marks, eps: float) -> tuple[list[torch.Tensor], int]:
+    """A training read's rstd row (fp32 [T]) per source, and how many of them, from the first on,
+    earlier reads computed: a source's mark keeps the one its first read computed (for that eps).
+    The forward loads those and computes the others into new rows, which the marks that had none
+    keep from then on (the forwards load rstd instead of summing a row: sm90 build, 15-23 % fewer
+    instructions per source)."""
+    mark_at = {position: mark for mark, position in marks}
+    kept = []
+    for position in range(len(sources)):
+        mark = mark_at.get(position)
+        if mark is None or mark.rstd is None or mark.rstd_eps != eps:
+            break
+        kept.append(mark.rstd)
+    first = sources[0]
+    rows = [*kept, *_per_read(len(sources) - len(kept), (first.numel() // first.shape[-1],), first.device)]
+    for position in range(len(kept), len(sources)):
+        mark = mark_at.get(position)
+        if mark is not None and mark.rstd is None:
+            mark.rstd, mark.rstd_eps = rows[position], eps
+    return rows, len(kept)
 
 
 class SoftmaxState(NamedTuple):
@@ -304,26 +346,30 @@ def _output_dtype(first, null_source, gate, residual=None) -> torch.dtype:
     return dtype if gate is None else gated_dtype(gate, residual, dtype)
 
 
-def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_lse,
-             second=None, init: SoftmaxState | None = None):
-    """One read's output and lse. `second` = (query, key-norm weight) of a read begun over the same
-    sources: its state comes back as a third value. `init`: the state this read starts from."""
+def _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps, store_stats,
+             kept: int = 0, second=None, init: SoftmaxState | None = None):
+    """One read's output and, if `store_stats`, its lse (fp32 [T, H], else None); it stores the
+    rstd of its sources past the first `kept`, and loads theirs (`_source_rstd`). `second` =
+    (query, key-norm weight) of a read begun over the same sources: its state comes back as a
+    third value. `init`: the state this read starts from."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
     launch = _kernel_args("forward", width, num_heads)
     out = _empty(first.shape, dtype=_output_dtype(first, null_source, gate, residual), device=first.device)
-    lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_lse else out
+    lse = _empty((tokens, num_heads), dtype=torch.float32, device=first.device) if store_stats else None
     state = init
     if second is not None:
         state = SoftmaxState(_empty((tokens, width), dtype=torch.float32, device=first.device),
                              _empty((2, tokens, num_heads), dtype=torch.float32, device=first.device))
     q2, g2 = second if second is not None else (query, key_norm_weight)
+    stand_in = _empty((1,), dtype=torch.float32, device=first.device)  # for the pointer types
     kernels.route_fwd_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
-        query if gate is None else gate, first if residual is None else residual, out, lse,
-        q2, g2, *(state if state is not None else (out, lse)), len(sources), 1, tokens, eps,
-        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_LSE=store_lse,
+        query if gate is None else gate, first if residual is None else residual, out,
+        lse if lse is not None else stand_in, q2, g2, *(state if state is not None else (stand_in, stand_in)),
+        len(sources), kept, 1, tokens, eps,
+        HAS_NULL=null_source is not None, HAS_GATE=gate is not None, STORE_STATS=store_stats,
         HAS_INIT=init is not None, HAS_SECOND=second is not None, GROUPED=False, **launch,
     )
     return out, lse, (state if second is not None else None)
@@ -364,6 +410,7 @@ class DepthSource(torch.autograd.Function):
         ctx.records, ctx.chain, ctx.position = [], chain, position
         ctx.previous = previous.grad_fn if previous is not None else None  # the mark made before it
         ctx.partial = None  # a Partial its successor's backward left (see _partner)
+        ctx.rstd = ctx.rstd_eps = None  # its rstd (fp32 [T]) and eps, once a training read computed it
         # held, not saved, as the reads of it hold it anyway: the next mark's backward may read it
         # too (_partner), and activation checkpointing lets a saved tensor be unpacked only once
         ctx.source = source
@@ -528,9 +575,9 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
         *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
         len(records), tokens, eps,
-        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=other is not None, HAS_INIT=partial is not None, **launch,
+        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,
     )
-    if other is not None:
+    if left is not None:
         done = {id(r) for r, _ in records}
         partner.records = [(r, position) for r, position in partner.records if id(r) not in done]
         partner.partial = left
@@ -545,35 +592,40 @@ class FusedRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, query, key_norm_weight, null_source, gate, residual, newest):
-        sources, table = _with_table(sources)
-        out, lse, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                               store_lse=True)
-        # the sources are held, not saved: the table points at them. (Under non-reentrant
-        # activation checkpointing this keeps alive a source made and read inside one layer,
-        # block mode's running sum after attention, that saving would let the layer recompute.)
-        ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
-        ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse)
+        rstd, kept = _source_rstd(sources, marks, eps)
+        sources, table = _with_table(sources, rstd)
+        out, lse, _ = _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads,
+                               eps, store_stats=True, kept=kept)
+        # the sources and their rstd are held, not saved: the table points at them. (Under
+        # non-reentrant activation checkpointing this keeps alive a source made and read inside one
+        # layer, block mode's running sum after attention, that saving would let the layer recompute.)
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.rstd, ctx.marks = num_heads, eps, sources, rstd, marks
+        ctx.table, ctx.residual_dtype = table, residual.dtype if residual is not None else None
+        # kept for S (_total_from_out). A compiled sublayer after the read saves the same tensor for
+        # its norm, so this costs nothing there; eager, one activation per read (total_from_out.md in
+        # benchmarks/results/sweeps)
+        mix = out if _total_from_out(gate, len(sources)) else None
+        ctx.save_for_backward(query, key_norm_weight, null_source, gate, lse, mix)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key_norm_weight, null_source, gate, lse = ctx.saved_tensors
+        query, key_norm_weight, null_source, gate, lse, out = ctx.saved_tensors
         (grad_out,) = _aligned((grad_out,))  # the source kernel reaches it through a table
         grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
-                                          null_source, gate, lse, grad_out)
+                                          null_source, gate, lse, grad_out, out)
         _leave(ctx.marks, record)
         dresidual = grad_out.to(ctx.residual_dtype) if gate is not None and ctx.needs_input_grad[8] else None
         return None, None, None, None, *grads, dresidual, None
 
 
 def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_source, gate, lse, grad_out,
-                   second=None):
-    """The site kernel of one read, and given `second` = (query, key-norm weight, ReadRecord,
-    sources, table) of a split pair's second read, of that read too (whose sources start with
-    this read's; the kernel writes that record's terms). Returns this read's parameter gradients
-    (query, key-norm weight, null source, gate; None where absent), its record, and the second
-    read's two (None without one)."""
+                   out=None, second=None):
+    """The site kernel of one read (`out`: its output, given when S is to come from it), and given
+    `second` = (query, key-norm weight, ReadRecord, sources, table) of a split pair's second read,
+    of that read too (whose sources start with this read's; the kernel writes that record's
+    terms). Returns this read's parameter gradients (query, key-norm weight, null source, gate;
+    None where absent), its record, and the second read's two (None without one)."""
     num_sources = len(sources)
     q2, g2, later = second[:3] if second is not None else (query, key_norm_weight, None)
     if second is not None:
@@ -595,12 +647,12 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(programs,)](
         table, table, first, null_source if has_null else query, query, key_norm_weight,
-        gate if has_gate else query, lse, grad_out, total, gq, partials, terms,
+        gate if has_gate else query, lse, grad_out, out if out is not None else grad_out, total, gq, partials, terms,
         q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
                   else (lse, grad_out, total, terms)),
         num_sources, len(sources), 1, tokens, eps,
         HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-        IN_PLACE=_stores_in_place(launch, second is not None), **launch,
+        TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None), **launch,
     )
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
@@ -645,13 +697,14 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
 
 
 class _Pair:
-    """What the two reads of a split pair share: the second read's sources and table, set by its
-    forward, and its backward's record, which the first read's backward (always after it) takes."""
+    """What the two reads of a split pair share: the rstd rows of the first read's sources, set by
+    its forward (`_source_rstd`), the second read's sources and table, set by its forward, and its
+    backward's record, which the first read's backward (always after it) takes."""
 
-    __slots__ = ("sources", "table", "second")
+    __slots__ = ("sources", "table", "rstd", "second")
 
     def __init__(self):
-        self.sources = self.table = self.second = None
+        self.sources = self.table = self.rstd = self.second = None
 
 
 class ReadPrefix:
@@ -686,18 +739,20 @@ class FusedRoutePair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, pair, query, key_norm_weight, next_query, next_key_norm_weight,
                 newest):
-        sources, table = _with_table(sources)
+        pair.rstd, kept = _source_rstd(sources, marks, eps)
+        sources, table = _with_table(sources, pair.rstd)
         out, lse, state = _forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
-                                   store_lse=True, second=(next_query, next_key_norm_weight))
+                                   store_stats=True, kept=kept, second=(next_query, next_key_norm_weight))
         ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table, ctx.pair = num_heads, eps, sources, marks, table, pair
-        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse)
+        mix = out if _total_from_out(None, len(sources)) else None  # for S, as FusedRoute's
+        ctx.save_for_backward(query, key_norm_weight, next_query, next_key_norm_weight, lse, mix)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(state.stat)
         return out, state.acc, state.stat
 
     @staticmethod
     def backward(ctx, grad_out, _acc, _stat):
-        query, key_norm_weight, next_query, next_key_norm_weight, lse = ctx.saved_tensors
+        query, key_norm_weight, next_query, next_key_norm_weight, lse, out = ctx.saved_tensors
         later, pair = ctx.pair.second, ctx.pair
         pair.second = None
         if later is not None and later.task != torch._C._current_graph_task_id():
@@ -707,7 +762,7 @@ class FusedRoutePair(torch.autograd.Function):
         (grad_out,) = _aligned((grad_out,))
         second = (next_query, next_key_norm_weight, later, pair.sources, pair.table) if later is not None else None
         grads, record, second_grads = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query,
-                                                     key_norm_weight, None, None, lse, grad_out, second)
+                                                     key_norm_weight, None, None, lse, grad_out, out, second)
         _leave(ctx.marks, record)
         return None, None, None, None, None, grads[0], grads[1], *(second_grads or (None, None)), None
 
@@ -720,13 +775,15 @@ class FusedRouteEnd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, prefix, acc, query, key_norm_weight, newest):
-        sources, table = _with_table(sources)
         begun = len(prefix.sources)
-        out, lse, _ = _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads,
-                               eps, store_lse=True, init=SoftmaxState(acc, prefix.state.stat))
+        added, kept = _source_rstd(sources[begun:], [(m, p - begun) for m, p in marks if p >= begun], eps)
+        rstd = [*prefix.pair.rstd, *added]
+        sources, table = _with_table(sources, rstd)
+        out, lse, _ = _forward(sources[begun:], table[2 * begun:], query, key_norm_weight, None, None, None,
+                               num_heads, eps, store_stats=True, kept=kept, init=SoftmaxState(acc, prefix.state.stat))
         # detached: the new sources are usually made from the first read's output, so holding
         # their marks would close a reference cycle through autograd nodes, which nothing frees
-        prefix.pair.sources, prefix.pair.table = [s.detach() for s in sources], table
+        prefix.pair.sources, prefix.pair.table, prefix.pair.rstd = [s.detach() for s in sources], table, rstd
         ctx.num_heads, ctx.eps, ctx.marks, ctx.pair, ctx.begun = num_heads, eps, marks, prefix.pair, begun
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
@@ -783,8 +840,8 @@ def fused_route(
                                        key_norm_weight, newest)
         sources, table = _with_table(sources)
         begun = len(prefix.sources)
-        return _forward(sources[begun:], table[begun:], query, key_norm_weight, None, None, None, num_heads, eps,
-                        store_lse=False, init=prefix.state)[0]
+        return _forward(sources[begun:], table[2 * begun:], query, key_norm_weight, None, None, None, num_heads, eps,
+                        store_stats=False, init=prefix.state)[0]
     if len(sources) + (null_source is not None) == 1:  # nothing to mix
         return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
     if gate is not None and residual is None:  # gate * mix: the grouped kernels' read
@@ -797,7 +854,7 @@ def fused_route(
                                 newest)
     sources, table = _with_table(sources)
     return _forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads, eps,
-                    store_lse=False)[0]
+                    store_stats=False)[0]
 
 
 @torch.compiler.disable
@@ -826,7 +883,7 @@ def fused_route_and_start(
         return out, ReadPrefix(sources, marked, next_query, next_key_norm_weight, SoftmaxState(acc, stat), pair)
     aligned, table = _with_table(sources)
     out, _, state = _forward(aligned, table, query, key_norm_weight, None, None, None, num_heads, eps,
-                             store_lse=False, second=(next_query, next_key_norm_weight))
+                             store_stats=False, second=(next_query, next_key_norm_weight))
     return out, ReadPrefix(sources, sources, next_query, next_key_norm_weight, state, None)
 
 
@@ -861,23 +918,25 @@ def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
     return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
 
 
-def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_lse):
-    """The outputs of a group of reads and their lse ([reads, T, H]; None unless `store_lse`)."""
+def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_stats, kept: int = 0):
+    """The outputs of a group of reads and, if `store_stats`, their lse ([reads, T, H], one block
+    per read), else None; rstd as `_forward`'s."""
     first = sources[0]
     width = first.shape[-1]
     tokens = first.numel() // width
     head = reads[0]
     dtype = _output_dtype(first, head.null_source, head.gate)
     outs = [_empty(first.shape, dtype=dtype, device=first.device) for _ in reads]
-    lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_lse else None
+    lse = _per_read(len(reads), (tokens, num_heads), first.device) if store_stats else None
     launch = _kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
     programs = _group_forward_programs(triton.cdiv(tokens, launch["BLOCK_T"]), len(reads), first.device)
     kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
-        outs[0] if lse is None else lse, query, key_norm_weight, outs[0], outs[0], len(sources), len(reads), tokens,
-        eps, STORE_LSE=store_lse, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
+        lse if lse is not None else _empty((1,), dtype=torch.float32, device=first.device),  # for the pointer type
+        query, key_norm_weight, outs[0], outs[0], len(sources), kept, len(reads), tokens, eps,
+        STORE_STATS=store_stats, HAS_INIT=False, HAS_SECOND=False, **flags, **launch,
     )
     return outs, lse
 
@@ -902,12 +961,13 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     null, query, key_norm_weight, gate = _stand_ins(head)
     kernels.route_site_bwd_kernel[(count * programs,)](
         table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
-        total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
-        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, IN_PLACE=_stores_in_place(launch, False),
-        **flags, **launch,
+        grad_outs[0], total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
+        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, TOTAL_FROM_OUT=False,
+        IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
     )
     task = torch._C._current_graph_task_id()
-    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps) for r, dout in enumerate(grad_outs)]
+    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps)
+               for r, dout in enumerate(grad_outs)]
     params = [t for read in reads for t in read[:rows]]
     grads, dgates = _sum_partials(partials, programs, width, params,
                                   [read.gate for read in reads] if flags["HAS_GATE"] else [], tile="group")
@@ -922,10 +982,12 @@ class FusedRouteGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, layout, newest, *params):
-        sources, table = _with_table(sources)
-        outs, lse = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_lse=True)
-        ctx.num_heads, ctx.eps, ctx.sources, ctx.marks, ctx.table = num_heads, eps, sources, marks, table
-        ctx.layout = layout
+        rstd, kept = _source_rstd(sources, marks, eps)
+        sources, table = _with_table(sources, rstd)
+        outs, lse = _forward_group(sources, table, _unflatten(params, layout), num_heads, eps, store_stats=True,
+                                   kept=kept)
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.rstd, ctx.marks = num_heads, eps, sources, rstd, marks
+        ctx.table, ctx.layout = table, layout
         ctx.save_for_backward(lse, *params)
         return tuple(outs)
 
@@ -970,4 +1032,4 @@ def fused_route_group(sources: Sequence[torch.Tensor], reads: Sequence[Read], nu
         sources, marks, newest = _on_one_chain(sources)
         return FusedRouteGroup.apply(num_heads, eps, sources, marks, layout, newest, *params)
     sources, table = _with_table(sources)
-    return tuple(_forward_group(sources, table, reads, num_heads, eps, store_lse=False)[0])
+    return tuple(_forward_group(sources, table, reads, num_heads, eps, store_stats=False)[0])

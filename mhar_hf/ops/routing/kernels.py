@@ -6,9 +6,11 @@ d/H - DH_LO (`[BLOCK_T, H_PAD, DH_HI]`, masked past them). Tile sizes must be po
 tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two hold it
 exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d works.
 Tensors that vary per source or per reader are reached through int64 tables of their
-addresses, so the caller never stacks them. Each loop over sources or reads is software-pipelined
-(`tl.range(num_stages=STAGES)`: the loads of the next iterations go to shared memory while the
-current one computes), which keeps several reads in flight without holding them in registers.
+addresses, so the caller never stacks them. A read's source table holds two per source: its rows
+and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
+Each loop over sources or reads is software-pipelined (`tl.range(num_stages=STAGES)`: the loads
+of the next iterations go to shared memory while the current one computes), which keeps several
+reads in flight without holding them in registers.
 All statistics, logits, softmax and the mix run in fp32: every load is upcast at once (bf16
 arithmetic is wrong in the Triton interpreter, and `tl.exp` rejects bf16).
 
@@ -20,8 +22,9 @@ A gated read (delta mode) returns residual + gate * mix in one pass: its backwar
 gradient of that sum, scales every term above by the gate, and gives the gate sum_t sum_h S_h.
 The backward is split the way autograd visits the model, so that each byte is read once:
   - `route_site_bwd_kernel` runs when a read's output gradient arrives: one pass over its
-    sources gives S and A (no source gradient is written), and leaves per source the read's
-    terms, dots_nh and P_nh (fp32, 2H values per token: 1/40 of a 1B source row's bytes);
+    sources gives A and S (an ungated read's S comes from its output, the mix, before the
+    pass; no source gradient is written), and leaves per source the read's terms, dots_nh and
+    P_nh (fp32, 2H values per token: 1/40 of a 1B source row's bytes);
   - `route_source_bwd_kernel` runs once per source, when every read of it has run its
     backward: one pass over the output gradients of those reads gives the source's whole
     gradient, summed in fp32 and written once. With the terms loaded, that pass reduces
@@ -49,8 +52,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False):
-    return tl.load(ptr + offs, mask=mask, other=0.0, volatile=AGAIN).to(tl.float32)
+def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False, PTX: tl.constexpr = False):
+    tile = tl.load(ptr + offs, mask=mask, other=0.0, volatile=AGAIN)
+    if PTX and tile.dtype == tl.bfloat16 and tile.shape[-1] > 1:
+        return _bf16_pairs_to_fp32(tile)
+    return tile.to(tl.float32)
+
+
+@triton.jit
+def _bf16_pairs_to_fp32(tile):
+    """A bf16 tile in fp32, two elements per 32-bit word: a bf16 is the top half of its fp32, so
+    the word shifted left gives the first and the word masked the second, one instruction each.
+    The compiler's conversion takes three a pair: it moves the second's half out first (sm90
+    build, loop instructions per source at 350M: forward 289 to 265, site 199 to 191)."""
+    return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [tile],
+                                     dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -87,20 +103,31 @@ def _load_gq(g_ptr, q_ptr, col_lo, mask_lo, col_hi, mask_hi):
 
 
 @triton.jit
-def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, AGAIN: tl.constexpr = False):
+def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr, AGAIN: tl.constexpr = False):
     """Rows of a [T, D] tensor as two fp32 tiles: `row_offs` ([BLOCK_T, 1, 1]) their offsets,
     `row_ok` which rows to load (zeros in the others). AGAIN: rows this program has loaded
     before, loaded anew (a volatile load, which the compiler cannot merge with the first one and
-    so hold the rows in registers in between)."""
-    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN),
-            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN))
+    so hold the rows in registers in between). PTX: NVIDIA assembly may convert bf16 rows
+    (_bf16_pairs_to_fp32; not under the interpreter or on ROCm)."""
+    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN, PTX),
+            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN, PTX))
 
 
 @triton.jit
-def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
+def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr,
                       STRIDE: tl.constexpr = 1, FIELD: tl.constexpr = 0):
     """Token rows of the tensor at entry (i, FIELD) of an address table."""
-    return _load_rows(_address(table, i, like_ptr, STRIDE, FIELD), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi)
+    return _load_rows(_address(table, i, like_ptr, STRIDE, FIELD), row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
+                      PTX)
+
+
+@triton.jit
+def _source(table, n, src_like_ptr, rstd_like_ptr):
+    """Source n's entry of a read's source table: its rows' and its rstd's addresses, in one
+    16-byte load (two loads took a second wait and barrier per source)."""
+    rows, rstd = tl.split(tl.load(table + 2 * n + tl.arange(0, 2)))
+    return (tl.multiple_of(rows.to(tl.pointer_type(src_like_ptr.dtype.element_ty)), 16),
+            tl.multiple_of(rstd.to(tl.pointer_type(rstd_like_ptr.dtype.element_ty)), 16))
 
 
 @triton.jit
@@ -122,10 +149,15 @@ def _rstd(x_lo, x_hi, eps, D: tl.constexpr):
     return tl.rsqrt(tl.sum(_head_dots(x_lo, x_hi, x_lo, x_hi), 1) / D + eps)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
-def _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D: tl.constexpr):
-    """`_rstd`, and <x_h, (g*q)_h> per token and head."""
-    return _rstd(x_lo, x_hi, eps, D), _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+def _exp(x):
+    """exp(x) as 2^(x log2 e). `tl.exp` lowers to the same hardware exp2 behind a range check per
+    value that keeps results below 2^-126 from flushing to zero (three more instructions): no
+    softmax weight that small changes an fp32 sum."""
+    return tl.math.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -133,8 +165,8 @@ def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
     """Fold one source (`rstd` its inverse RMS) into the running (max, sum, mix) of an online softmax."""
     logit = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * rstd[:, None]
     m_new = tl.maximum(m, logit)
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(logit - m_new)
+    alpha = _exp(m - m_new)
+    p = _exp(logit - m_new)
     scale, p3 = alpha[:, :, None], p[:, :, None]
     return m_new, l * alpha + p, acc_lo * scale + p3 * x_lo, acc_hi * scale + p3 * x_hi
 
@@ -162,11 +194,12 @@ def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
 def route_fwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, residual_ptr, out_ptr, lse_ptr,
     q2_ptr, g2_ptr, prefix_acc_ptr, prefix_stat_ptr,
-    num_sources, num_reads, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
+    num_sources, num_kept, num_reads, T, eps,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
     per-head log-sum-exp of the logits (all the backward needs).
@@ -179,15 +212,22 @@ def route_fwd_kernel(
     token block's sources come from L2 after the first read. Otherwise a program computes one
     token block (`_forward_rows`).
 
+    The first `num_kept` sources' rstd is loaded (an earlier read computed it); the others' is
+    summed over their rows, and with STORE_STATS (a training forward) stored for the reads after
+    this one (in a group, by its first read) and for the site kernel. STORE_STATS also stores the
+    lse.
+
     Split reads (full mode, where a layer's MLP read takes every source of its attention read
     and one more): with HAS_SECOND the same pass also begins a second read of these sources
     (query q2, key-norm weight g2) and writes its softmax state, the unnormalised mix
     (`prefix_acc`, fp32 [T, D]) and the running max and sum (`prefix_stat`, fp32 [2, T, H]);
     with HAS_INIT a read starts from such a state and folds in only the sources it adds."""
+    rstd_rows = T  # the tokens whose rstd per new source this program writes (in a group: its first read's)
     if GROUPED:
         read = tl.program_id(0) % num_reads
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
         lse_ptr += read * _read_stride(T * H)
+        rstd_rows = tl.where(read == 0, T, 0)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
@@ -205,27 +245,28 @@ def route_fwd_kernel(
         null_logit = tl.zeros([1, H_PAD], tl.float32)
     gate = tl.load(gate_ptr).to(tl.float32) if HAS_GATE else 1.0
     # the constexprs are passed after the tuple: inside one they would not stay constexprs
-    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr, gq_lo, gq_hi,
-            gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi, num_sources, T, eps)
+    rows = (table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
+            rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
+            num_sources, num_kept, T, eps)
     if GROUPED:  # program p of each read: token blocks p, p + programs, ...
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
-            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H, H_PAD,
-                          DH_LO, DH_HI, BLOCK_T, STAGES)
+            _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND, GROUPED, D,
+                          H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
-        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_LSE, HAS_INIT, HAS_SECOND, GROUPED, D, H,
-                      H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES)
+        _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND,
+                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
 
 
 @triton.jit
 def _forward_rows(
     block, table, src0_ptr, null_ptr, residual_ptr, out_ptr, lse_ptr, prefix_acc_ptr, prefix_stat_ptr,
-    gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
-    num_sources, T, eps,
-    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_LSE: tl.constexpr,
+    rstd_rows, gq_lo, gq_hi, gq2_lo, gq2_hi, null_logit, gate, head, col_lo, mask_lo, col_hi, mask_hi,
+    num_sources, num_kept, T, eps,
+    HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
-    BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
 ):
     """route_fwd_kernel's work on token block `block`, given what its program computed once."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -237,7 +278,7 @@ def _forward_rows(
     if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
         m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
         l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
-        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols)
+        acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols, PTX)
     else:
         acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
@@ -252,15 +293,34 @@ def _forward_rows(
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-    for n in tl.range(0, num_sources, num_stages=STAGES):
-        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+    # two loops, one per way of getting rstd: a branch in one loop would keep its loads out of the
+    # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
+    for n in tl.range(0, num_kept, num_stages=STAGES):
+        rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
+        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
+        rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+        m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
+        if HAS_SECOND:
+            m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
+    # a training forward meets one or two new sources. With a second read their loop goes
+    # unpipelined, which holds fewer registers (sm90, 1B: 255 with 24 bytes of spill, to 254 without;
+    # the grouped forward holds more so: 1B 168 to 220)
+    for n in tl.range(num_kept, num_sources, num_stages=1 if STORE_STATS and HAS_SECOND else STAGES):
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, PTX, 2, 0)
         rstd = _rstd(x_lo, x_hi, eps, D)
+        if STORE_STATS:
+            # tl.store, as in place (_store_sums) gained nothing in sum: H200, ms of forward per step
+            # in place / tl.store, delta 0.457 / 0.628 / 0.452 (100M / 350M / 1B) against 0.463 /
+            # 0.609 / 0.453, full 1.308 / 2.266 / 2.474 against 1.301 / 2.300 / 2.474. A group's
+            # other reads branch around it (sm90 registers, grouped 350M 253 to 234, 1B 195 to 190)
+            if rstd_rows > 0:
+                tl.store(_address(table, n, lse_ptr, 2, 1) + tok, rstd, mask=tok < rstd_rows)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     if HAS_NULL:  # its weight now (loaded again: registers bound how many programs run at once)
         again_lo, again_hi = _load_vector(null_ptr, *cols)
-        p_null = tl.exp(null_logit - m)[:, :, None]
+        p_null = _exp(null_logit - m)[:, :, None]
         acc_lo += p_null * again_lo[None, :, :]
         acc_hi += p_null * again_hi[None, :, :]
     inv = 1.0 / l[:, :, None]
@@ -268,10 +328,10 @@ def _forward_rows(
     if HAS_GATE:
         out_lo, out_hi = gate * out_lo, gate * out_hi
         if not GROUPED:
-            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols)
+            res_lo, res_hi = _load_rows(residual_ptr, row_offs, in_range, *cols, PTX)
             out_lo, out_hi = res_lo + out_lo, res_hi + out_hi
     _store_rows(out_ptr, row_offs, in_range, out_lo, out_hi, *cols)
-    if STORE_LSE:
+    if STORE_STATS:
         tl.store(lse_ptr + stat_offs, m + tl.log(l), mask=stat_mask)
     if HAS_SECOND:
         _store_rows(prefix_acc_ptr, row_offs, in_range, acc2_lo, acc2_hi, *cols)
@@ -280,10 +340,11 @@ def _forward_rows(
 
 
 @triton.jit
-def _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D: tl.constexpr):
-    """For one source of one read: rstd [T], dots [T, H], weights w [T, H], P = <dout_h, x_h> [T, H]."""
-    rstd, dots = _rstd_and_head_dots(x_lo, x_hi, gq_lo, gq_hi, eps, D)
-    return rstd, dots, tl.exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
+def _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi):
+    """For one source (`rstd` its inverse RMS per token) of one read: dots [T, H], weights w [T, H]
+    and P = <dout_h, x_h> [T, H]."""
+    dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+    return dots, _exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
 
 
 @triton.jit
@@ -312,14 +373,15 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 
 @triton.jit
 def route_site_bwd_kernel(
-    table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr,
+    table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr, out_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
     q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
     num_sources, num_second, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
+    TOTAL_FROM_OUT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    IN_PLACE: tl.constexpr, PTX: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
@@ -330,10 +392,12 @@ def route_site_bwd_kernel(
     Per source it also writes the read's terms (`terms`, fp32 [sources, 2, T, H]: the dots
     <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
     reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
-    One pass: A = sum_n w (P - S) rstd x is gathered as sum_n w P rstd x - S * sum_n w rstd x,
-    since S is only known at the end. With a gate, `dout_ptr` is the gradient of
-    residual + gate * mix: every term is computed for the mix and scaled by the gate once, and
-    the gate's gradient is sum_t sum_h S_h = sum_t <dout, mix>.
+    One pass. With TOTAL_FROM_OUT (an ungated read: its output `out` is the mix) S = <dout_h, out_h>
+    is known before the pass, which sums A = sum_n w (P - S) rstd x directly. Otherwise A is
+    gathered as sum_n w P rstd x - S * sum_n w rstd x, two row-wide sums, since S is only known at
+    the end. With a gate, `dout_ptr` is the gradient of residual + gate * mix: every term is
+    computed for the mix and scaled by the gate once, and the gate's gradient is
+    sum_t sum_h S_h = sum_t <dout, mix>.
 
     With HAS_SECOND the pass also serves the second read of a split pair (route_fwd_kernel),
     whose sources are the table's first `num_second` (this read's `num_sources` and more): its
@@ -346,7 +410,11 @@ def route_site_bwd_kernel(
     gradient). Per read the lse, S, g*q and terms are blocks _read_stride apart; the partial
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
-    IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums)."""
+    IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
+    Each source's rstd is loaded (the source table's, which the forwards wrote) instead of summed
+    over the row, a cross-warp sum per source and read. With HAS_SECOND `table` is the second
+    read's, whose first `num_sources` sources are this read's."""
+    tl.static_assert(not (TOTAL_FROM_OUT and (HAS_GATE or GROUPED)), "a gated read's output is not its mix")
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
@@ -376,12 +444,15 @@ def route_site_bwd_kernel(
     dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     dkey_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
     dkey_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
-    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
+    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)  # with a null source, first sum_t w dout (see below)
     dnull_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
-    if HAS_NULL:  # the null source: one vector shared by every token
+    null_dlogit = tl.zeros([BLOCK_T, H_PAD], tl.float32)  # the null source's dlogit, summed over token blocks
+    if HAS_NULL:  # one vector shared by every token: its rstd and dots are the same for all, computed once
         null_lo, null_hi = _load_vector(null_ptr, *cols)
-        null_lo = tl.broadcast_to(null_lo[None, :, :], (BLOCK_T, H_PAD, DH_LO))
-        null_hi = tl.broadcast_to(null_hi[None, :, :], (BLOCK_T, H_PAD, DH_HI))
+        null_lo, null_hi = null_lo[None, :, :], null_hi[None, :, :]
+        null_rstd = _rstd(null_lo, null_hi, eps, D)  # [1]
+        null_dots = _head_dots(null_lo, null_hi, gq_lo[None, :, :], gq_hi[None, :, :])  # [1, H_PAD]
+        null_logit = null_dots * null_rstd[:, None]
     num_read = num_sources
     if HAS_SECOND:
         num_read = num_second
@@ -393,61 +464,80 @@ def route_site_bwd_kernel(
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_offs = tok[:, None, None].to(tl.int64) * D
         in_range = (tok < T)[:, None, None]
-        dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
+        dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
         stat_mask = (tok < T)[:, None] & (head < H)[None, :]
         lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
         if HAS_SECOND:
-            dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols)
+            dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols, PTX)
             lse2 = tl.load(lse2_ptr + stat_offs, mask=stat_mask, other=float("inf"))
             total2 = tl.load(total2_ptr + stat_offs, mask=stat_mask, other=0.0)
 
-        total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-        wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w P rstd x
+        # with TOTAL_FROM_OUT sum_n w (P - S) rstd x, else sum_n w P rstd x and sum_n w rstd x
+        wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)  # sum_n w rstd x
-        w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        # S first: one row-wide sum instead of two (sm90 build, per source: 350M 242 to 219 instructions,
+        # 155 to 125 registers; 1B 290 to 256, and no more spills there)
+        if TOTAL_FROM_OUT:
+            out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
+            total = _head_dots(dout_lo, dout_hi, out_lo, out_hi)
+        else:
+            total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+            w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
+            w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
         for n in tl.range(0, num_read, num_stages=STAGES):
-            x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
-            rstd, dots, w, p = _read_terms(x_lo, x_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
+            rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
+            x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
+            rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+            dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
-            total += w * p
-            wp = (w_rstd * p)[:, :, None]
+            if TOTAL_FROM_OUT:
+                wp = (w_rstd * (p - total))[:, :, None]
+            else:
+                total += w * p
+                wp = (w_rstd * p)[:, :, None]
+                w_x_lo += w_rstd[:, :, None] * x_lo
+                w_x_hi += w_rstd[:, :, None] * x_hi
             wp_x_lo += wp * x_lo
             wp_x_hi += wp * x_hi
-            w_x_lo += w_rstd[:, :, None] * x_lo
-            w_x_hi += w_rstd[:, :, None] * x_hi
             if HAS_SECOND:
                 dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
                 p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
                 _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2, IN_PLACE)
-                w2 = tl.exp(dots2 * rstd[:, None] - lse2)
+                w2 = _exp(dots2 * rstd[:, None] - lse2)
                 dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
-        if HAS_NULL:
-            rstd, dots, w, p = _read_terms(null_lo, null_hi, dout_lo, dout_hi, lse, gq_lo, gq_hi, eps, D)
-            total += w * p
-            dlogit = w * (p - total)
-            dlogit_rstd = dlogit[:, :, None] * rstd[:, None, None]
-            norm_coef = (rstd * rstd * rstd / D * tl.sum(dlogit * dots, 1))[:, None, None]
-            w3 = w[:, :, None]
-            dx_lo = w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo
-            dx_hi = w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi
-            dnull_lo += tl.sum(tl.where(in_range, dx_lo, 0.0), 0)
-            dnull_hi += tl.sum(tl.where(in_range, dx_hi, 0.0), 0)
-            dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
-            dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
-        dkey_lo += tl.sum(wp_x_lo - total[:, :, None] * w_x_lo, 0)
-        dkey_hi += tl.sum(wp_x_hi - total[:, :, None] * w_x_hi, 0)
+        if HAS_NULL:  # what varies with the token: P, w, dlogit, and w dout (weight 0 in padded rows)
+            p = _head_dots(dout_lo, dout_hi, null_lo, null_hi)
+            w = _exp(null_logit - lse)
+            if not TOTAL_FROM_OUT:
+                total += w * p
+            null_dlogit += w * (p - total)
+            dnull_lo += tl.sum(w[:, :, None] * dout_lo, 0)
+            dnull_hi += tl.sum(w[:, :, None] * dout_hi, 0)
+        if not TOTAL_FROM_OUT:
+            wp_x_lo -= total[:, :, None] * w_x_lo
+            wp_x_hi -= total[:, :, None] * w_x_hi
+        dkey_lo += tl.sum(wp_x_lo, 0)
+        dkey_hi += tl.sum(wp_x_hi, 0)
         _store_sums(total_ptr + stat_offs, total, stat_mask, IN_PLACE)
         if HAS_GATE:
             dgate += total  # zero in padded rows and heads
 
+    if HAS_NULL:  # of the null source's dx = w dout + dlogit rstd (g*q) - rstd^3 / D (sum_h dlogit dots) x,
+        # the terms in which only dlogit varies with the token, and its key-norm term: from sum_t dlogit, once
+        dlogit = tl.sum(null_dlogit, 0)[None, :]  # [1, H_PAD]
+        norm_coef = (null_rstd * null_rstd * null_rstd / D * tl.sum(dlogit * null_dots, 1))[:, None, None]
+        dlogit_rstd = (dlogit * null_rstd[:, None])[:, :, None]
+        dnull_lo += tl.sum(dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo, 0)
+        dnull_hi += tl.sum(dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi, 0)
+        dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
+        dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
     row = programs * D  # one row of partial sums: a [programs, D] block
     # g and q loaded again rather than held through the loop: registers bound how many programs
     # a multiprocessor runs at once
@@ -505,7 +595,7 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
 def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
     site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), g*q in fp32
@@ -519,12 +609,12 @@ def route_total_kernel(
     in_range = (tok < T)[:, None, None]
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
-    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols)
-    out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols)
+    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
+    out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
     tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
-        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols)
+        x_lo, x_hi = _load_rows(_source(table, n, src0_ptr, total_ptr)[0], row_offs, in_range, *cols, PTX)
         dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
@@ -535,10 +625,10 @@ def route_total_kernel(
 
 @triton.jit
 def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in_range, stat_offs, stat_mask,
-                 col_lo, mask_lo, col_hi, mask_hi):
+                 col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr):
     """Row k of the reader table: that read's output gradient rows, lse, S, g*q and scale."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, 6, 0)
+    dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, PTX, 6, 0)
     lse = tl.load(_address(readers, k, stat0_ptr, 6, 1) + stat_offs, mask=stat_mask, other=float("inf"))
     total = tl.load(_address(readers, k, stat0_ptr, 6, 2) + stat_offs, mask=stat_mask, other=0.0)
     gq_ptr = _address(readers, k, stat0_ptr, 6, 3)
@@ -558,14 +648,17 @@ def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, 
 @triton.jit
 def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
     """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
-    <x_h, (g*q)_h> and P = <dout_h, x_h>."""
-    w = tl.exp(dots * rstd[:, None] - lse)
+    <x_h, (g*q)_h> and P = <dout_h, x_h>. The norm term's sum stays per head ([BLOCK_T, H_PAD]):
+    summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
+    multiply-adds per element, 3 instructions fewer in the sm90 build, ran slower on the H200:
+    full 350M 2.46 to 2.74 ms.)"""
+    w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
     w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
     acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
     acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
-    return acc_lo, acc_hi, norm_sum + tl.sum(dlogit * dots, 1)
+    return acc_lo, acc_hi, norm_sum + dlogit * dots
 
 
 @triton.jit
@@ -576,6 +669,7 @@ def route_source_bwd_kernel(
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 6] address table: per
@@ -588,7 +682,11 @@ def route_source_bwd_kernel(
     not yet run: in full mode the MLP output of the layer before an attention output): with
     HAS_PARTNER the same pass over the output gradients sums the partner's terms too, and
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
-    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT)."""
+    sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). Its rows are read
+    here for their rstd only. (Both rstd are summed from the rows: loaded, rstd takes a layout
+    that leaves the per-read loads duplicated in two layouts. The source's own: 1B 144 to 168
+    registers, with spills; the partner's: loop instructions per read, sm90 build, 100M 531 to
+    602, 350M 921 to 1035, 1B 533 to 741.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
@@ -598,23 +696,22 @@ def route_source_bwd_kernel(
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
 
-    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols)
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX)
     rstd = _rstd(x_lo, x_hi, eps, D)
-    if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq, and of sum_h dlogit dots
-        acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols)
-        norm_sum = tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
+    if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq (the sum of sum_h dlogit dots: after the loop)
+        acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols, PTX)
     else:
         acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        norm_sum = tl.zeros([BLOCK_T], tl.float32)
+    norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     if HAS_PARTNER:
-        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols)
+        y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols, PTX)
         y_rstd = _rstd(y_lo, y_hi, eps, D)
         y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
         y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
-        y_norm_sum = tl.zeros([BLOCK_T], tl.float32)
+        y_norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
-        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows)
+        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows, PTX)
         dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
         acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
                                                  acc_lo, acc_hi, norm_sum)
@@ -622,16 +719,19 @@ def route_source_bwd_kernel(
             dots, p = _load_terms(readers, k, 5, stat0_ptr, T, H, stat_offs, stat_mask)
             y_acc_lo, y_acc_hi, y_norm_sum = _source_terms(dots, p, y_rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi,
                                                            scale, y_acc_lo, y_acc_hi, y_norm_sum)
-    norm_coef = (rstd * rstd * rstd / D * norm_sum)[:, None, None]
+    norm = tl.sum(norm_sum, 1)
+    if HAS_INIT:
+        norm += tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
+    norm_coef = (rstd * rstd * rstd / D * norm)[:, None, None]
     # the rows loaded again, not held through the loop, which needs only their rstd: registers
     # bound how many programs a multiprocessor runs at once
-    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, AGAIN=True)
+    x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX, AGAIN=True)
     dx_lo, dx_hi = acc_lo - norm_coef * x_lo, acc_hi - norm_coef * x_hi
     if HAS_GRAD_IN:
-        grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols)
+        grad_lo, grad_hi = _load_rows(grad_in_ptr, row_offs, in_range, *cols, PTX)
         dx_lo += grad_lo
         dx_hi += grad_hi
     _store_rows(dsrc_ptr, row_offs, in_range, dx_lo, dx_hi, *cols)
     if HAS_PARTNER:
         _store_rows(partner_acc_ptr, row_offs, in_range, y_acc_lo, y_acc_hi, *cols)
-        tl.store(partner_norm_ptr + tok, y_norm_sum, mask=tok < T)
+        tl.store(partner_norm_ptr + tok, tl.sum(y_norm_sum, 1), mask=tok < T)
