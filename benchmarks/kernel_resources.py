@@ -10,7 +10,9 @@ and prints what the compiled code uses per thread: registers, and stack bytes, w
 registers go (any stack is a spill: the kernels keep no local arrays). A shape that spills is slow
 in the step even where it times well alone (as two source rows did while the reads timed alone
 formed no source pairs). Runs on a CPU (Triton's compiler and its bundled cuobjdump); the figures
-are the installed Triton's, which may allocate otherwise than the GPU machine's. `--launch` tries
+are the installed Triton's. Count with the GPU machine's version: versions differ in layouts, not
+only in registers (3.6 and 3.9 give a tile's lanes to its dimensions in opposite orders where
+contiguity ties), e.g. `pip install --target /tmp/t36 triton==3.6.0` and `PYTHONPATH=/tmp/t36:..`. `--launch` tries
 other shapes. `--loops` adds, per kernel, the SASS instructions and barriers (BAR, not the DEPBAR
 waits of asynchronous copies) of its innermost loop: one iteration's work per source (forward,
 site) or per read (source kernel).
