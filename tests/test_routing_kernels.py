@@ -343,10 +343,13 @@ def chained(mark):
     return mark_all
 
 
-def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, heads=4):
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "summed-by-every-read"])
+def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, keep, heads=4):
     """A training read computes the rstd of the sources no read has taken before, and keeps it
     with their marks; later reads load it (their forward sums only the newest): `kept` counts the
-    leading sources whose rstd the forward loads. A read with another eps sums its own."""
+    leading sources whose rstd the forward loads. A read with another eps sums its own. With
+    fused.KEEP_RSTD off, every read sums every rstd."""
+    monkeypatch.setattr(fused, "KEEP_RSTD", keep)
     kept, forward = [], fused._forward
     monkeypatch.setattr(fused, "_forward", lambda *args, **kwargs: kept.append(kwargs["kept"]) or forward(*args,
                                                                                                           **kwargs))
@@ -354,7 +357,7 @@ def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, heads=
     leaves = [s.detach().clone().requires_grad_() for s in sources]
     marked = chained(track)(leaves)
     outs = [fused_route(marked[:n], query, norm_weight, heads, EPS) for n in (2, 3, 4)]
-    assert kept == [0, 2, 3]
+    assert kept == ([0, 2, 3] if keep else [0, 0, 0])
     sum(o.sum() for o in outs).backward()
     twins = [s.detach().double().requires_grad_() for s in sources]
     sum(route_reference(twins[:n], fp64(query), fp64(norm_weight), heads, EPS).sum() for n in (2, 3, 4)).backward()
@@ -692,13 +695,17 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_f
     assert site.count("TOTAL_FROM_OUT") == (reads - pairs if total_from_out and mode != "delta" else 0)
 
 
+@pytest.mark.parametrize("keep_rstd", [True, False], ids=["rstd-kept", "rstd-summed"])
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
-def test_model_gradients_match_the_fp64_reference_model(total_from_out, mode):
+def test_model_gradients_match_the_fp64_reference_model(monkeypatch, total_from_out, keep_rstd, mode):
     """Every parameter's gradient through a whole model with the kernels (split pairs, source
     pairs, the terms each read leaves for the source kernel, some written by a split pair's
     second read before the pair's site kernel writes the rest) against the same model in fp64
-    with the reference op."""
+    with the reference op, with each source's rstd kept from its first read or summed by every
+    read (fused.KEEP_RSTD)."""
     from mhar_hf import MHARForCausalLM
+
+    monkeypatch.setattr(fused, "KEEP_RSTD", keep_rstd)
 
     config = tiny_config(residual_mode=mode, routing_implementation="fused")
     model = MHARForCausalLM(config).to(DEVICE)

@@ -67,6 +67,12 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 # is about as large a share of the read's bytes (1/9 or less) as the instructions it saves
 # (`sweep_launch.py --constant TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000` measures it).
 TOTAL_FROM_OUT_MIN_SOURCES = 8
+# Whether a training read's forward loads the rstd that an earlier read computed for its leading
+# sources (`_source_rstd`), or sums every source's rstd from its rows as before (False: nothing is
+# kept on the marks). H200, full mode, 1B: the forward took 2.47 ms per step before the branches
+# that brought this (stack_on_h200.md), 2.87 after, though its sm90 loop is shorter: to settle with
+# `sweep_launch.py --constant KEEP_RSTD True False`.
+KEEP_RSTD = True
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
 # 16 x SM partials per column; 32 bytes per row is one memory sector. A group's launch sums the
@@ -315,7 +321,7 @@ def _source_rstd(sources, marks, eps: float) -> tuple[list[torch.Tensor], int]:
     The forward loads those and computes the others into new rows, which the marks that had none
     keep from then on (the forwards load rstd instead of summing a row: sm90 build, 15-23 % fewer
     instructions per source)."""
-    mark_at = {position: mark for mark, position in marks}
+    mark_at = {position: mark for mark, position in marks} if KEEP_RSTD else {}
     kept = []
     for position in range(len(sources)):
         mark = mark_at.get(position)
