@@ -5,13 +5,12 @@ DH_LO columns (DH_LO the largest power of two up to d/H) in SPLIT blocks (`[BLOC
 SPLIT, DH_LO / SPLIT]`; the heads and blocks swap axes from Triton 3.7, HEADS_AXIS) and its
 other d/H - DH_LO (`[BLOCK_T, H_PAD, 1, DH_HI]`, masked past them). Tile sizes must be powers
 of two; one tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two
-hold it exactly (128 + 32). Heads are padded to a power of two
-and masked, so any H dividing d works. The blocks put each head on fewer lanes (fused._split):
-the compiler gives the lanes to the last dimension first, 8 bf16 each, so 128 columns in one
-block spanned 16 lanes, and every per-head sum crossed them all (four shuffles and adds per
-sum and head a thread held; in two blocks, three for one head; sm90 build at 350M, loop
-instructions per source, Triton 3.6: forward 271 to 218, site 186 to 165; 3.9: 264 to 208, 191
-to 162).
+hold it exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d
+works. The blocks put each head on fewer lanes (fused._split): the compiler gives the lanes to
+the last dimension first, 8 bf16 each, so 128 columns in one block spanned 16 lanes, and every
+per-head sum crossed them all (four shuffles and adds per sum and head a thread held; in two
+blocks, three for one head; sm90 build at 350M, loop instructions per source, Triton 3.6:
+forward 271 to 218, site 186 to 165; 3.9: 264 to 208, 191 to 162).
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them. A read's source table holds two per source: its rows
 and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
@@ -149,7 +148,7 @@ def _per_head(v):
 
 @triton.jit
 def _as_row(t):
-    """A vector's tile (a routing parameter's: [blocks, H_PAD, columns]) as one row of a row tile."""
+    """A vector's tile (a routing parameter's, as _row_layout shapes it) as one row of a row tile."""
     return t[None, :, :, :]
 
 
