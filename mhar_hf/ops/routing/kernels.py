@@ -186,12 +186,15 @@ def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col
 
 
 @triton.jit
-def _source(table, n, src_like_ptr, rstd_like_ptr):
-    """Source n's entry of a read's source table: its rows' and its rstd's addresses, in one
-    16-byte load (two loads took a second wait and barrier per source)."""
+def _load_kept_source(table, n, src_like_ptr, rstd_like_ptr, tok, T, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
+                      PTX: tl.constexpr):
+    """Source n of a read's source table, its token rows and their rstd (fp32), both addresses
+    from one 16-byte load of its entry (two loads took a second wait and barrier per source)."""
     rows, rstd = tl.split(tl.load(table + 2 * n + tl.arange(0, 2)))
-    return (tl.multiple_of(rows.to(tl.pointer_type(src_like_ptr.dtype.element_ty)), 16),
-            tl.multiple_of(rstd.to(tl.pointer_type(rstd_like_ptr.dtype.element_ty)), 16))
+    rows_ptr = tl.multiple_of(rows.to(tl.pointer_type(src_like_ptr.dtype.element_ty)), 16)
+    rstd_ptr = tl.multiple_of(rstd.to(tl.pointer_type(rstd_like_ptr.dtype.element_ty)), 16)
+    x_lo, x_hi = _load_rows(rows_ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX)
+    return x_lo, x_hi, tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
 
 
 @triton.jit
@@ -369,9 +372,7 @@ def _forward_rows(
     # two loops, one per way of getting rstd: a branch in one loop would keep its loads out of the
     # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
     for n in tl.range(0, num_kept, num_stages=STAGES):
-        rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
-        x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
-        rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+        x_lo, x_hi, rstd = _load_kept_source(table, n, src0_ptr, lse_ptr, tok, T, row_offs, in_range, *cols, PTX)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
@@ -555,9 +556,7 @@ def route_site_bwd_kernel(
             total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
             w_x_lo, w_x_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         for n in tl.range(0, num_read, num_stages=STAGES):
-            rows_ptr, rstd_ptr = _source(table, n, src0_ptr, lse_ptr)
-            x_lo, x_hi = _load_rows(rows_ptr, row_offs, in_range, *cols, PTX)
-            rstd = tl.load(rstd_ptr + tok, mask=tok < T, other=1.0)
+            x_lo, x_hi, rstd = _load_kept_source(table, n, src0_ptr, lse_ptr, tok, T, row_offs, in_range, *cols, PTX)
             dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
             _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, p, IN_PLACE)
             if HAS_SECOND:
@@ -682,7 +681,7 @@ def route_total_kernel(
     tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
-        x_lo, x_hi = _load_rows(_source(table, n, src0_ptr, total_ptr)[0], row_offs, in_range, *cols, PTX)
+        x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, PTX, 2, 0)
         dots = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi))
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
