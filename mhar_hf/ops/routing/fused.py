@@ -121,18 +121,19 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
     if _interpreted():  # two column blocks wherever a head has them, so the tests run the split tile
         return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4, SPLIT=min(2, tile["DH_LO"]))
     warps = min(max(triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp)), 1), 8)
-    return dict(tile, BLOCK_T=rows, num_warps=warps, SPLIT=_split(tile, rows, warps))
+    return dict(tile, BLOCK_T=rows, num_warps=warps, SPLIT=_split(kind, tile, warps))
 
 
-def _split(tile: dict, rows: int, warps: int) -> int:
+def _split(kind: str, tile: dict, warps: int) -> int:
     """Column blocks per head in the low tile (kernels._row_layout). Triton gives a tile's lanes to
     its last dimension first, 16 bytes (8 bf16) each, so a head's DH_LO columns in one block span
     DH_LO / 8 lanes, and each per-head sum crosses them all. In blocks, the lanes go to more
     heads and each lane holds its head's blocks: as many blocks as leave the warps on heads (a
-    head split across warps sums through shared memory). Where the token rows take lanes before
-    the heads (kernels.HEADS_AXIS 1, Triton up to 3.6), four rows keep one block: in blocks, the
-    350M source kernel's loop grew (sm90, Triton 3.6: 526 to 566 instructions per read)."""
-    if kernels.HEADS_AXIS == 1 and rows > 2:
+    head split across warps sums through shared memory). Only the site kernels take them: H100,
+    Triton 3.6, ms per step's reads in blocks against one, full mode 350M 3.29 to 2.94 and 1B 4.39
+    to 4.19, where the forwards ran 5-16 % slower in blocks and the source kernels within 2 %
+    (benchmarks/results/sweeps/column_blocks.md)."""
+    if kind not in ("site", "site_few"):
         return 1
     return max(1, min(tile["DH_LO"] * tile["H_PAD"] // (8 * 32 * warps), tile["DH_LO"] // 8))
 
