@@ -842,9 +842,8 @@ def test_kernels_compile_for_sm90():
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
-            blocks = fused._split("site" if kernel is kernels.route_site_bwd_kernel else "forward", fused._tile(width, heads),
-                                  warps)
-            compile_kernel(kernel, flags, width, heads, rows, warps, split=blocks)
+            kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total"}.get(kernel, "forward")
+            compile_kernel(kernel, flags, width, heads, rows, warps, split=fused._split(kind, fused._tile(width, heads), warps))
         print("compiled")
     """)
     result = run_without_interpreter(script)

@@ -129,11 +129,11 @@ def _split(kind: str, tile: dict, warps: int) -> int:
     its last dimension first, 16 bytes (8 bf16) each, so a head's DH_LO columns in one block span
     DH_LO / 8 lanes, and each per-head sum crosses them all. In blocks, the lanes go to more
     heads and each lane holds its head's blocks: as many blocks as leave the warps on heads (a
-    head split across warps sums through shared memory). Only the site kernels take them: H100,
-    Triton 3.6, ms per step's reads in blocks against one, full mode 350M 3.29 to 2.94 and 1B 4.39
-    to 4.19, where the forwards ran 5-16 % slower in blocks and the source kernels within 2 %
-    (benchmarks/results/sweeps/column_blocks.md)."""
-    if kind not in ("site", "site_few"):
+    head split across warps sums through shared memory). Only the site and total kernels take
+    them: H100, Triton 3.6, full mode, ms per step's reads in blocks against one, site 350M 3.29 to
+    2.94 and 1B 4.39 to 4.19, total 0.385 to 0.362 at 350M, where the forwards ran 5-16 % slower
+    in blocks and the source kernels within 2 % (benchmarks/results/sweeps/column_blocks.md)."""
+    if kind not in ("site", "site_few", "total"):
         return 1
     return max(1, min(tile["DH_LO"] * tile["H_PAD"] // (8 * 32 * warps), tile["DH_LO"] // 8))
 
