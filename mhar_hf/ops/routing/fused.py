@@ -69,9 +69,9 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 TOTAL_FROM_OUT_MIN_SOURCES = 8
 # Whether a training read's forward loads the rstd that an earlier read computed for its leading
 # sources (`_source_rstd`), or sums every source's rstd from its rows as before (False: nothing is
-# kept on the marks). H200, full mode, 1B: the forward took 2.47 ms per step before the branches
-# that brought this (stack_on_h200.md), 2.87 after, though its sm90 loop is shorter: to settle with
-# `sweep_launch.py --constant KEEP_RSTD True False`.
+# kept on the marks). H100, full mode, the forward's ms per step with and without: 350M 2.58 and
+# 3.32, 1B 3.53 and 4.86; delta and block within 0.03 ms (`sweep_launch.py --constant KEEP_RSTD
+# True False`).
 KEEP_RSTD = True
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
