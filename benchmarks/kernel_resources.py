@@ -128,7 +128,7 @@ def main():
             every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
             every_flag["IN_PLACE"] = fused._stores_in_place(launch, every_flag["HAS_SECOND"])
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
-                                      launch["STAGES"])
+                                      launch["STAGES"], launch["SPLIT"])
             registers, stack = resources(compiled, tool)
             loop = " {} | {} |".format(*innermost_loop(compiled, tool)) if args.loops else ""
             print(f"| {preset} | {kind} | {variant} | {launch['BLOCK_T']} | {launch['num_warps']} | {launch['STAGES']} "

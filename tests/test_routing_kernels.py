@@ -99,6 +99,37 @@ def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, widt
         assert rel_rms(grad, expected) < TOLERANCE[dtype], name
 
 
+@pytest.mark.parametrize("heads_axis", [1, 2], ids=["heads-before-blocks", "blocks-before-heads"])
+@pytest.mark.parametrize("split", [1, 4])
+def test_low_tile_in_one_or_four_blocks_matches_fp64_reference(monkeypatch, split, heads_axis, width=320, heads=2,
+                                                                tokens=9):
+    """The interpreter holds the low tile in two column blocks (fused._kernel_args); a GPU launch
+    in one, two or four (fused._split): the others here, on a read (head width 160: 128 + 32)
+    and on a group of gated reads, every gradient against fp64; in both axis orders
+    (kernels.HEADS_AXIS, by Triton version; a compiled kernel's globals must not change, so a GPU
+    runs only its own)."""
+    if GPU and heads_axis != kernels.HEADS_AXIS:
+        pytest.skip("compiled kernels keep the axis order of the installed Triton")
+    monkeypatch.setattr(kernels, "HEADS_AXIS", tl.constexpr(heads_axis))
+    kernel_args = fused._kernel_args
+    monkeypatch.setattr(fused, "_kernel_args", lambda *args: dict(kernel_args(*args), SPLIT=split))
+    sources, query, norm_weight, null_source = routing_inputs(3, width, tokens, 2, null=True)
+    grad_out = torch.randn(2, tokens, width, device=DEVICE)
+    out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
+    ref, ref_grads = forward_and_grads(
+        route_reference, [fp64(s) for s in sources], fp64(query), fp64(norm_weight), fp64(null_source), heads, grad_out
+    )
+    sources, params = group_inputs(3, width, tokens, 2, 3, True, torch.float32)
+    grad_outs = [torch.randn(2, tokens, width, device=DEVICE) for _ in params]
+    outs, group_grads = group_reads_and_grads(sources, params, heads, grad_outs, "fused")
+    expected, expected_grads = group_reads_and_grads([fp64(s) for s in sources],
+                                                     [[fp64(t) for t in read] for read in params], heads, grad_outs,
+                                                     "reference")
+    for actual, reference in zip([out, *grads, *outs, *group_grads], [ref, *ref_grads, *expected, *expected_grads],
+                                 strict=True):
+        assert rel_rms(actual, reference) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.skipif(not GPU, reason="autotuned launches (large token counts) run on the GPU only")
 @pytest.mark.parametrize("heads", [8, 1])
 @pytest.mark.parametrize("n", [6, fused.FEW_SOURCES + 4])  # the launch shapes of few and of many sources
@@ -799,7 +830,7 @@ def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
         import itertools
-        from mhar_hf.ops.routing import kernels
+        from mhar_hf.ops.routing import fused, kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
 
         gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False,
@@ -811,11 +842,45 @@ def test_kernels_compile_for_sm90():
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
-            compile_kernel(kernel, flags, width, heads, rows, warps)
+            kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total"}.get(kernel, "forward")
+            compile_kernel(kernel, flags, width, heads, rows, warps, split=fused._split(kind, fused._tile(width, heads), warps))
         print("compiled")
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_low_tile_in_blocks_keeps_each_head_on_few_lanes_of_one_warp():
+    """The low tile in column blocks (fused._split): at the presets' site launches (H = 8) the
+    compiled layout puts no head across warps (a sum across warps goes through shared memory) and
+    each head on as few lanes as the warp allows, 32 * warps / H. In one block, a head of 128
+    columns spanned 16 lanes, and each per-head sum a shuffle more. With the heads' axis of the
+    other Triton versions (kernels.HEADS_AXIS) it fails: the lanes go to the blocks."""
+    script = textwrap.dedent(r"""
+        import re
+        from mhar_hf import MHARConfig
+        from mhar_hf.ops.routing import fused, kernels
+        from mhar_hf.ops.routing.ahead import compile_kernel
+
+        flags = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_SECOND=False, HAS_INIT=False,
+                     GROUPED=False, TOTAL_FROM_OUT=True)
+        layout = re.compile(r"sizePerThread = \[1, 1, 1, 8\], threadsPerWarp = \[(\d+), (\d+), (\d+), (\d+)\], "
+                            r"warpsPerCTA = \[(\d+), (\d+), (\d+), (\d+)\]")
+        for preset in ("100M", "350M", "1B"):
+            width = MHARConfig.from_preset(preset).hidden_size
+            launch = fused._kernel_args("site", width, 8)
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, width, 8, launch["BLOCK_T"], launch["num_warps"],
+                                   split=launch["SPLIT"]).asm["ttgir"]
+            lanes = [int(n) for n in layout.search(ttgir).groups()]
+            blocks = 3 - kernels.HEADS_AXIS  # the axis of column blocks
+            print("tile", preset, launch["num_warps"], lanes[blocks] * lanes[3], lanes[4 + blocks] * lanes[7])
+    """)
+    result = run_without_interpreter(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tiles = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("tile")]
+    assert len(tiles) == 3, result.stdout
+    for preset, warps, lanes_per_head, warps_per_head in tiles:
+        assert int(lanes_per_head) == 32 * int(warps) // 8 and warps_per_head == "1", (preset, result.stdout)
 
 
 def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
@@ -829,30 +894,38 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
     script = textwrap.dedent("""
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
+        from mhar_hf.ops.routing.fused import _split, _tile
 
+        split = _split("site", _tile(1024, 8), 2)  # the low tile's column blocks per head at two warps
+        low = f"1x8x{split}" if kernels.HEADS_AXIS == 1 else f"1x{split}x8"  # its shape, by the heads' axis
         grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, TOTAL_FROM_OUT=False)
         pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False, TOTAL_FROM_OUT=True)
         single = dict(pair, HAS_SECOND=False)
 
         def source_loop(flags, in_place=True):
-            ttgir = compile_kernel(kernels.route_site_bwd_kernel, dict(flags, IN_PLACE=in_place), 1024, 8, 1,
-                                   2).asm["ttgir"]
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, dict(flags, IN_PLACE=in_place), 1024, 8, 1, 2,
+                                   split=split).asm["ttgir"]
             loop = ttgir[ttgir.index("to %num_"):]
             return loop[:loop.index("scf.yield")]
 
-        def sums_over_heads(loop):
-            return sum('"tt.reduce"' in line and "axis = 1" in line for line in loop.splitlines())
+        def sums_over_heads(loop):  # reductions of per-head sums ([1, 8]), as rstd's
+            lines = loop.splitlines()
+            ends = [next(end for end in lines[i:] if end.lstrip().startswith("})"))
+                    for i, line in enumerate(lines) if '"tt.reduce"' in line]
+            return sum("(tensor<1x8xf32" in end for end in ends)
 
         def row_sums(loop):  # what the loop carries that is as wide as a row (d/H = 128: one tile)
-            return loop.splitlines()[0].split("->")[1].count("tensor<1x8x128xf32")
+            return loop.splitlines()[0].split("->")[1].count(f"tensor<{low}x{128 // split}xf32")
 
         in_place, through_store = source_loop(grouped), source_loop(grouped, False)
+        print("split", split)
         print("changes", in_place.count("ttg.convert_layout"), through_store.count("ttg.convert_layout"))
         print("sums over heads", sums_over_heads(in_place), sums_over_heads(source_loop(pair)))
         print("row sums", row_sums(in_place), row_sums(source_loop(single)), row_sums(source_loop(pair)))
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split("split")[1].split()[0]) == 2, result.stdout  # the tile these counts are of
     in_place, through_store = (int(n) for n in result.stdout.split("changes")[1].split()[:2])
     assert in_place == 0 and through_store >= 2, result.stdout
     grouped, pair = (int(n) for n in result.stdout.split("sums over heads")[1].split()[:2])

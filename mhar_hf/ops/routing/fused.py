@@ -69,9 +69,9 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 TOTAL_FROM_OUT_MIN_SOURCES = 8
 # Whether a training read's forward loads the rstd that an earlier read computed for its leading
 # sources (`_source_rstd`), or sums every source's rstd from its rows as before (False: nothing is
-# kept on the marks). H200, full mode, 1B: the forward took 2.47 ms per step before the branches
-# that brought this (stack_on_h200.md), 2.87 after, though its sm90 loop is shorter: to settle with
-# `sweep_launch.py --constant KEEP_RSTD True False`.
+# kept on the marks). H100, full mode, the forward's ms per step with and without: 350M 2.58 and
+# 3.32, 1B 3.53 and 4.86; delta and block within 0.03 ms (`sweep_launch.py --constant KEEP_RSTD
+# True False`).
 KEEP_RSTD = True
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
@@ -118,10 +118,24 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
         rows = 1 << (max(1, per_warp // _padded_width(tile)).bit_length() - 1)
     if stages:
         tile = dict(tile, STAGES=stages[0])
-    if _interpreted():
-        return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4)
-    warps = triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp))
-    return dict(tile, BLOCK_T=rows, num_warps=min(max(warps, 1), 8))
+    if _interpreted():  # two column blocks wherever a head has them, so the tests run the split tile
+        return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4, SPLIT=min(2, tile["DH_LO"]))
+    warps = min(max(triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp)), 1), 8)
+    return dict(tile, BLOCK_T=rows, num_warps=warps, SPLIT=_split(kind, tile, warps))
+
+
+def _split(kind: str, tile: dict, warps: int) -> int:
+    """Column blocks per head in the low tile (kernels._row_layout). Triton gives a tile's lanes to
+    its last dimension first, 16 bytes (8 bf16) each, so a head's DH_LO columns in one block span
+    DH_LO / 8 lanes, and each per-head sum crosses them all. In blocks, the lanes go to more
+    heads and each lane holds its head's blocks: as many blocks as leave the warps on heads (a
+    head split across warps sums through shared memory). Only the site and total kernels take
+    them: H100, Triton 3.6, full mode, ms per step's reads in blocks against one, site 350M 3.29 to
+    2.94 and 1B 4.39 to 4.19, total 0.385 to 0.362 at 350M, where the forwards ran 5-16 % slower
+    in blocks and the source kernels within 2 % (benchmarks/results/sweeps/column_blocks.md)."""
+    if kind not in ("site", "site_few", "total"):
+        return 1
+    return max(1, min(tile["DH_LO"] * tile["H_PAD"] // (8 * 32 * warps), tile["DH_LO"] // 8))
 
 
 def _total_from_out(gate, num_sources: int) -> bool:

@@ -1,10 +1,16 @@
 """Triton kernels of the routing op (DESIGN.md sections 1 and 4).
 
 Layout: every program owns BLOCK_T token rows of width d, held as two tiles: each head's first
-DH_LO columns (`[BLOCK_T, H_PAD, DH_LO]`, DH_LO the largest power of two up to d/H) and its other
-d/H - DH_LO (`[BLOCK_T, H_PAD, DH_HI]`, masked past them). Tile sizes must be powers of two; one
-tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two hold it
-exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d works.
+DH_LO columns (DH_LO the largest power of two up to d/H) in SPLIT blocks (`[BLOCK_T, H_PAD,
+SPLIT, DH_LO / SPLIT]`; the heads and blocks swap axes from Triton 3.7, HEADS_AXIS) and its
+other d/H - DH_LO (`[BLOCK_T, H_PAD, 1, DH_HI]`, masked past them). Tile sizes must be powers
+of two; one tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two
+hold it exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d
+works. The blocks put each head on fewer lanes (fused._split): the compiler gives the lanes to
+the last dimension first, 8 bf16 each, so 128 columns in one block spanned 16 lanes, and every
+per-head sum crossed them all (four shuffles and adds per sum and head a thread held; in two
+blocks, three for one head; sm90 build at 350M, loop instructions per source, Triton 3.6:
+forward 271 to 218, site 186 to 165; 3.9: 264 to 208, 191 to 162).
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them. A read's source table holds two per source: its rows
 and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
@@ -77,15 +83,73 @@ def _address(table, i, like_ptr, STRIDE: tl.constexpr = 1, FIELD: tl.constexpr =
     return tl.multiple_of(tl.load(table + STRIDE * i + FIELD).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
 
 
+def _heads_axis() -> int:
+    """The low tile's axis of heads (1: `[BLOCK_T, H_PAD, SPLIT, DH_LO / SPLIT]`; 2: `[BLOCK_T,
+    SPLIT, H_PAD, ...]`). Triton gives a load's lanes to its columns first, then to the other
+    dimensions, all equally contiguous, in ascending order up to 3.6 and in descending order from
+    3.7 (read off the layouts each version compiles for sm90): the heads must come before the
+    blocks."""
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return 1 if (major, minor) <= (3, 6) else 2
+
+
+HEADS_AXIS = tl.constexpr(_heads_axis())
+
+
 @triton.jit
-def _row_layout(H: tl.constexpr, DH: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr):
-    """Per head, the offsets and masks of its low and high columns (see the module docstring)."""
+def _row_layout(H: tl.constexpr, DH: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """Per head, the offsets and masks of its low columns, in SPLIT blocks ([H_PAD, SPLIT,
+    DH_LO / SPLIT] or [SPLIT, H_PAD, ...], by HEADS_AXIS), and of its high ones ([H_PAD, 1, DH_HI]
+    or [1, H_PAD, DH_HI]); see the module docstring."""
     head = tl.arange(0, H_PAD)
-    lo, hi = tl.arange(0, DH_LO), tl.arange(0, DH_HI)
-    live = head[:, None] < H
-    col_lo = head[:, None] * DH + lo[None, :]
-    col_hi = head[:, None] * DH + DH_LO + hi[None, :]
-    return head, col_lo, live & (lo[None, :] < DH), col_hi, live & (hi[None, :] < DH - DH_LO)
+    block = tl.arange(0, SPLIT)
+    if HEADS_AXIS == 1:
+        h = head[:, None, None]
+        lo = block[None, :, None] * (DH_LO // SPLIT) + tl.arange(0, DH_LO // SPLIT)[None, None, :]
+    else:
+        h = head[None, :, None]
+        lo = block[:, None, None] * (DH_LO // SPLIT) + tl.arange(0, DH_LO // SPLIT)[None, None, :]
+    hi = tl.arange(0, DH_HI)[None, None, :]
+    live = h < H
+    return head, h * DH + lo, live & (lo < DH), h * DH + DH_LO + hi, live & (hi < DH - DH_LO)
+
+
+@triton.jit
+def _zero_rows(BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr,
+               DH_HI: tl.constexpr):
+    """Zeros in the shape of a row block's two tiles."""
+    if HEADS_AXIS == 1:
+        lo = tl.zeros([BLOCK_T, H_PAD, SPLIT, DH_LO // SPLIT], tl.float32)
+        hi = tl.zeros([BLOCK_T, H_PAD, 1, DH_HI], tl.float32)
+    else:
+        lo = tl.zeros([BLOCK_T, SPLIT, H_PAD, DH_LO // SPLIT], tl.float32)
+        hi = tl.zeros([BLOCK_T, 1, H_PAD, DH_HI], tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _per_token(v):
+    """A per-token value ([BLOCK_T]) against its rows' tiles."""
+    return v[:, None, None, None]
+
+
+@triton.jit
+def _per_head(v):
+    """A per-token, per-head value ([BLOCK_T, H_PAD]) against its rows' tiles: its dimensions
+    added back in the reverse order of _head_sum's, which leaves the layout of the sums as it is
+    (in the other order the compiler converts it)."""
+    if HEADS_AXIS == 1:
+        tile = v[:, :, None][:, :, None, :]
+    else:
+        tile = v[:, :, None][:, None, :, :]
+    return tile
+
+
+@triton.jit
+def _as_row(t):
+    """A vector's tile (a routing parameter's, as _row_layout shapes it) as one row of a row tile."""
+    return t[None, :, :, :]
 
 
 @triton.jit
@@ -109,8 +173,8 @@ def _load_rows(ptr, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi, PTX: tl.
     before, loaded anew (a volatile load, which the compiler cannot merge with the first one and
     so hold the rows in registers in between). PTX: NVIDIA assembly may convert bf16 rows
     (_bf16_pairs_to_fp32; not under the interpreter or on ROCm)."""
-    return (_load_tile(ptr + row_offs, col_lo[None, :, :], row_ok & mask_lo[None, :, :], AGAIN, PTX),
-            _load_tile(ptr + row_offs, col_hi[None, :, :], row_ok & mask_hi[None, :, :], AGAIN, PTX))
+    return (_load_tile(ptr + row_offs, _as_row(col_lo), row_ok & _as_row(mask_lo), AGAIN, PTX),
+            _load_tile(ptr + row_offs, _as_row(col_hi), row_ok & _as_row(mask_hi), AGAIN, PTX))
 
 
 @triton.jit
@@ -136,14 +200,25 @@ def _load_kept_source(table, n, src_like_ptr, rstd_like_ptr, tok, T, row_offs, r
 @triton.jit
 def _store_rows(ptr, row_offs, row_ok, lo, hi, col_lo, mask_lo, col_hi, mask_hi):
     ty = ptr.dtype.element_ty
-    tl.store(ptr + row_offs + col_lo[None, :, :], lo.to(ty), mask=row_ok & mask_lo[None, :, :])
-    tl.store(ptr + row_offs + col_hi[None, :, :], hi.to(ty), mask=row_ok & mask_hi[None, :, :])
+    tl.store(ptr + row_offs + _as_row(col_lo), lo.to(ty), mask=row_ok & _as_row(mask_lo))
+    tl.store(ptr + row_offs + _as_row(col_hi), hi.to(ty), mask=row_ok & _as_row(mask_hi))
+
+
+@triton.jit
+def _head_sum(tile):
+    """Per token and head, the sum of a row tile: over the head's column blocks first, which each
+    thread holds whole, then over the columns, one reduction across threads."""
+    if HEADS_AXIS == 1:
+        sums = tl.sum(tl.sum(tile, 2), 2)
+    else:
+        sums = tl.sum(tl.sum(tile, 1), 2)
+    return sums
 
 
 @triton.jit
 def _head_dots(a_lo, a_hi, b_lo, b_hi):
     """<a_h, b_h> per token and head, over both tiles."""
-    return tl.sum(a_lo * b_lo, 2) + tl.sum(a_hi * b_hi, 2)
+    return _head_sum(a_lo * b_lo) + _head_sum(a_hi * b_hi)
 
 
 @triton.jit
@@ -166,11 +241,11 @@ def _exp(x):
 @triton.jit
 def _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi):
     """Fold one source (`rstd` its inverse RMS) into the running (max, sum, mix) of an online softmax."""
-    logit = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * rstd[:, None]
+    logit = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi)) * rstd[:, None]
     m_new = tl.maximum(m, logit)
     alpha = _exp(m - m_new)
     p = _exp(logit - m_new)
-    scale, p3 = alpha[:, :, None], p[:, :, None]
+    scale, p3 = _per_head(alpha), _per_head(p)
     return m_new, l * alpha + p, acc_lo * scale + p3 * x_lo, acc_hi * scale + p3 * x_hi
 
 
@@ -201,7 +276,7 @@ def route_fwd_kernel(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     PTX: tl.constexpr,
 ):
     """out = the routed mix (with HAS_GATE: residual + gate * mix, delta mode's read); lse = the
@@ -231,7 +306,7 @@ def route_fwd_kernel(
         q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr = _group_read(reads, read, q_ptr, g_ptr, null_ptr, gate_ptr, out_ptr)
         lse_ptr += read * _read_stride(T * H)
         rstd_rows = tl.where(read == 0, T, 0)
-    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     # what a launch without a second read, a null source or a gate does not use gets a stand-in
@@ -241,8 +316,8 @@ def route_fwd_kernel(
         gq2_lo, gq2_hi = gq_lo, gq_hi
     if HAS_NULL:  # the null source, one vector shared by every token: its logit per head, once
         null_lo, null_hi = _load_vector(null_ptr, *cols)
-        null_lo, null_hi = null_lo[None, :, :], null_hi[None, :, :]
-        null_logit = _head_dots(null_lo, null_hi, gq_lo[None, :, :], gq_hi[None, :, :]) * \
+        null_lo, null_hi = _as_row(null_lo), _as_row(null_hi)
+        null_logit = _head_dots(null_lo, null_hi, _as_row(gq_lo), _as_row(gq_hi)) * \
             _rstd(null_lo, null_hi, eps, D)[:, None]  # [1, H_PAD]
     else:
         null_logit = tl.zeros([1, H_PAD], tl.float32)
@@ -255,10 +330,10 @@ def route_fwd_kernel(
         programs = tl.num_programs(0) // num_reads
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
             _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND, GROUPED, D,
-                          H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
+                          H, H_PAD, DH_LO, DH_HI, SPLIT, BLOCK_T, STAGES, PTX)
     else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
         _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND,
-                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, BLOCK_T, STAGES, PTX)
+                      GROUPED, D, H, H_PAD, DH_LO, DH_HI, SPLIT, BLOCK_T, STAGES, PTX)
 
 
 @triton.jit
@@ -269,13 +344,13 @@ def _forward_rows(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, STORE_STATS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr,
-    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
 ):
     """route_fwd_kernel's work on token block `block`, given what its program computed once."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_offs = tok[:, None, None].to(tl.int64) * D
-    in_range = (tok < T)[:, None, None]
+    row_offs = _per_token(tok).to(tl.int64) * D
+    in_range = _per_token(tok < T)
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
@@ -283,8 +358,7 @@ def _forward_rows(
         l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
         acc_lo, acc_hi = _load_rows(prefix_acc_ptr, row_offs, in_range, *cols, PTX)
     else:
-        acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-        acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        acc_lo, acc_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         if HAS_NULL:  # the null source folded in first, its mix term left for the end
             m = tl.zeros([BLOCK_T, H_PAD], tl.float32) + null_logit
             l = tl.full([BLOCK_T, H_PAD], 1.0, tl.float32)
@@ -294,8 +368,7 @@ def _forward_rows(
     if HAS_SECOND:
         m2 = tl.full([BLOCK_T, H_PAD], float("-inf"), tl.float32)
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-        acc2_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-        acc2_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        acc2_lo, acc2_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
     # two loops, one per way of getting rstd: a branch in one loop would keep its loads out of the
     # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
     for n in tl.range(0, num_kept, num_stages=STAGES):
@@ -321,10 +394,10 @@ def _forward_rows(
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     if HAS_NULL:  # its weight now (loaded again: registers bound how many programs run at once)
         again_lo, again_hi = _load_vector(null_ptr, *cols)
-        p_null = _exp(null_logit - m)[:, :, None]
-        acc_lo += p_null * again_lo[None, :, :]
-        acc_hi += p_null * again_hi[None, :, :]
-    inv = 1.0 / l[:, :, None]
+        p_null = _per_head(_exp(null_logit - m))
+        acc_lo += p_null * _as_row(again_lo)
+        acc_hi += p_null * _as_row(again_hi)
+    inv = 1.0 / _per_head(l)
     out_lo, out_hi = acc_lo * inv, acc_hi * inv
     if HAS_GATE:
         out_lo, out_hi = gate * out_lo, gate * out_hi
@@ -344,7 +417,7 @@ def _forward_rows(
 def _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi):
     """For one source (`rstd` its inverse RMS per token) of one read: dots [T, H], weights w [T, H]
     and P = <dout_h, x_h> [T, H]."""
-    dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+    dots = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi))
     return dots, _exp(dots * rstd[:, None] - lse), _head_dots(dout_lo, dout_hi, x_lo, x_hi)
 
 
@@ -381,7 +454,7 @@ def route_site_bwd_kernel(
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
     TOTAL_FROM_OUT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     IN_PLACE: tl.constexpr, PTX: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
@@ -431,7 +504,7 @@ def route_site_bwd_kernel(
     else:
         pid, programs = tl.program_id(0), tl.num_programs(0)
         gate_partials = partial_ptr + rows * programs * D
-    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     if HAS_GATE:
@@ -443,28 +516,25 @@ def route_site_bwd_kernel(
         tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
         tl.store(gq_ptr + D, scale)
     dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-    dkey_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
-    dkey_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
-    dnull_lo = tl.zeros([H_PAD, DH_LO], tl.float32)  # with a null source, first sum_t w dout (see below)
-    dnull_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
+    dkey_lo, dkey_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)
+    dnull_lo, dnull_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)  # with a null source, first sum_t w dout (see below)
     null_dlogit = tl.zeros([BLOCK_T, H_PAD], tl.float32)  # the null source's dlogit, summed over token blocks
     if HAS_NULL:  # one vector shared by every token: its rstd and dots are the same for all, computed once
         null_lo, null_hi = _load_vector(null_ptr, *cols)
-        null_lo, null_hi = null_lo[None, :, :], null_hi[None, :, :]
+        null_lo, null_hi = _as_row(null_lo), _as_row(null_hi)
         null_rstd = _rstd(null_lo, null_hi, eps, D)  # [1]
-        null_dots = _head_dots(null_lo, null_hi, gq_lo[None, :, :], gq_hi[None, :, :])  # [1, H_PAD]
+        null_dots = _head_dots(null_lo, null_hi, _as_row(gq_lo), _as_row(gq_hi))  # [1, H_PAD]
         null_logit = null_dots * null_rstd[:, None]
     num_read = num_sources
     if HAS_SECOND:
         num_read = num_second
         gq2_lo, gq2_hi = _load_gq(g2_ptr, q2_ptr, *cols)
-        dkey2_lo = tl.zeros([H_PAD, DH_LO], tl.float32)
-        dkey2_hi = tl.zeros([H_PAD, DH_HI], tl.float32)
+        dkey2_lo, dkey2_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)
 
     for block in range(pid, tl.cdiv(T, BLOCK_T), programs):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_offs = tok[:, None, None].to(tl.int64) * D
-        in_range = (tok < T)[:, None, None]
+        row_offs = _per_token(tok).to(tl.int64) * D
+        in_range = _per_token(tok < T)
         dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
         stat_offs = tok[:, None] * H + head[None, :]
@@ -476,8 +546,7 @@ def route_site_bwd_kernel(
             total2 = tl.load(total2_ptr + stat_offs, mask=stat_mask, other=0.0)
 
         # with TOTAL_FROM_OUT sum_n w (P - S) rstd x, else sum_n w P rstd x and sum_n w rstd x
-        wp_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-        wp_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        wp_x_lo, wp_x_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         # S first: one row-wide sum instead of two (sm90 build, per source: 350M 242 to 219 instructions,
         # 155 to 125 registers; 1B 290 to 256, and no more spills there)
         if TOTAL_FROM_OUT:
@@ -485,8 +554,7 @@ def route_site_bwd_kernel(
             total = _head_dots(dout_lo, dout_hi, out_lo, out_hi)
         else:
             total = tl.zeros([BLOCK_T, H_PAD], tl.float32)
-            w_x_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-            w_x_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+            w_x_lo, w_x_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         for n in tl.range(0, num_read, num_stages=STAGES):
             x_lo, x_hi, rstd = _load_kept_source(table, n, src0_ptr, lse_ptr, tok, T, row_offs, in_range, *cols, PTX)
             dots, w, p = _read_terms(x_lo, x_hi, rstd, dout_lo, dout_hi, lse, gq_lo, gq_hi)
@@ -495,20 +563,20 @@ def route_site_bwd_kernel(
                 w = tl.where(n < num_sources, w, 0.0)  # a source only the second read takes
             w_rstd = w * rstd[:, None]
             if TOTAL_FROM_OUT:
-                wp = (w_rstd * (p - total))[:, :, None]
+                wp = _per_head(w_rstd * (p - total))
             else:
                 total += w * p
-                wp = (w_rstd * p)[:, :, None]
-                w_x_lo += w_rstd[:, :, None] * x_lo
-                w_x_hi += w_rstd[:, :, None] * x_hi
+                wp = _per_head(w_rstd * p)
+                w_x_lo += _per_head(w_rstd) * x_lo
+                w_x_hi += _per_head(w_rstd) * x_hi
             wp_x_lo += wp * x_lo
             wp_x_hi += wp * x_hi
             if HAS_SECOND:
-                dots2 = _head_dots(x_lo, x_hi, gq2_lo[None, :, :], gq2_hi[None, :, :])
+                dots2 = _head_dots(x_lo, x_hi, _as_row(gq2_lo), _as_row(gq2_hi))
                 p2 = _head_dots(dout2_lo, dout2_hi, x_lo, x_hi)
                 _store_terms(terms2_ptr, n, T, H, stat_offs, stat_mask, dots2, p2, IN_PLACE)
                 w2 = _exp(dots2 * rstd[:, None] - lse2)
-                dlogit2_rstd = (w2 * (p2 - total2) * rstd[:, None])[:, :, None]
+                dlogit2_rstd = _per_head(w2 * (p2 - total2) * rstd[:, None])
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
         if HAS_NULL:  # what varies with the token: P, w, dlogit, and w dout (weight 0 in padded rows)
@@ -517,11 +585,11 @@ def route_site_bwd_kernel(
             if not TOTAL_FROM_OUT:
                 total += w * p
             null_dlogit += w * (p - total)
-            dnull_lo += tl.sum(w[:, :, None] * dout_lo, 0)
-            dnull_hi += tl.sum(w[:, :, None] * dout_hi, 0)
+            dnull_lo += tl.sum(_per_head(w) * dout_lo, 0)
+            dnull_hi += tl.sum(_per_head(w) * dout_hi, 0)
         if not TOTAL_FROM_OUT:
-            wp_x_lo -= total[:, :, None] * w_x_lo
-            wp_x_hi -= total[:, :, None] * w_x_hi
+            wp_x_lo -= _per_head(total) * w_x_lo
+            wp_x_hi -= _per_head(total) * w_x_hi
         dkey_lo += tl.sum(wp_x_lo, 0)
         dkey_hi += tl.sum(wp_x_hi, 0)
         _store_sums(total_ptr + stat_offs, total, stat_mask, IN_PLACE)
@@ -531,10 +599,10 @@ def route_site_bwd_kernel(
     if HAS_NULL:  # of the null source's dx = w dout + dlogit rstd (g*q) - rstd^3 / D (sum_h dlogit dots) x,
         # the terms in which only dlogit varies with the token, and its key-norm term: from sum_t dlogit, once
         dlogit = tl.sum(null_dlogit, 0)[None, :]  # [1, H_PAD]
-        norm_coef = (null_rstd * null_rstd * null_rstd / D * tl.sum(dlogit * null_dots, 1))[:, None, None]
-        dlogit_rstd = (dlogit * null_rstd[:, None])[:, :, None]
-        dnull_lo += tl.sum(dlogit_rstd * gq_lo[None, :, :] - norm_coef * null_lo, 0)
-        dnull_hi += tl.sum(dlogit_rstd * gq_hi[None, :, :] - norm_coef * null_hi, 0)
+        norm_coef = _per_token(null_rstd * null_rstd * null_rstd / D * tl.sum(dlogit * null_dots, 1))
+        dlogit_rstd = _per_head(dlogit * null_rstd[:, None])
+        dnull_lo += tl.sum(dlogit_rstd * _as_row(gq_lo) - norm_coef * null_lo, 0)
+        dnull_hi += tl.sum(dlogit_rstd * _as_row(gq_hi) - norm_coef * null_hi, 0)
         dkey_lo += tl.sum(dlogit_rstd * null_lo, 0)
         dkey_hi += tl.sum(dlogit_rstd * null_hi, 0)
     row = programs * D  # one row of partial sums: a [programs, D] block
@@ -594,7 +662,7 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
 def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
     site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), g*q in fp32
@@ -602,10 +670,10 @@ def route_total_kernel(
     `first` on: those whose source kernels may run before the pair's site kernel writes the
     others (the sources the first read does not take, and the partner of the earliest)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    row_offs = tok[:, None, None].to(tl.int64) * D
-    in_range = (tok < T)[:, None, None]
+    row_offs = _per_token(tok).to(tl.int64) * D
+    in_range = _per_token(tok < T)
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
@@ -614,7 +682,7 @@ def route_total_kernel(
     gq_lo, gq_hi = _load_gq(g_ptr, q_ptr, *cols)
     for n in range(first, num_sources):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, PTX, 2, 0)
-        dots = _head_dots(x_lo, x_hi, gq_lo[None, :, :], gq_hi[None, :, :])
+        dots = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi))
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
         tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
@@ -654,9 +722,9 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
-    w3, dlogit_rstd = w[:, :, None], (dlogit * rstd[:, None])[:, :, None]
-    acc_lo += w3 * dout_lo + dlogit_rstd * gq_lo[None, :, :]
-    acc_hi += w3 * dout_hi + dlogit_rstd * gq_hi[None, :, :]
+    w3, dlogit_rstd = _per_head(w), _per_head(dlogit * rstd[:, None])
+    acc_lo += w3 * dout_lo + dlogit_rstd * _as_row(gq_lo)
+    acc_hi += w3 * dout_hi + dlogit_rstd * _as_row(gq_hi)
     return acc_lo, acc_hi, norm_sum + dlogit * dots
 
 
@@ -667,7 +735,7 @@ def route_source_bwd_kernel(
     num_readers, T, eps,
     HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     PTX: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
@@ -687,10 +755,10 @@ def route_source_bwd_kernel(
     registers, with spills; the partner's: loop instructions per read, sm90 build, 100M 531 to
     602, 350M 921 to 1035, 1B 533 to 741.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    row_offs = tok[:, None, None].to(tl.int64) * D
-    in_range = (tok < T)[:, None, None]
+    row_offs = _per_token(tok).to(tl.int64) * D
+    in_range = _per_token(tok < T)
     stat_offs = tok[:, None] * H + head[None, :]
     stat_mask = (tok < T)[:, None] & (head < H)[None, :]
     rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
@@ -700,14 +768,12 @@ def route_source_bwd_kernel(
     if HAS_INIT:  # sum over reads of w dout + dlogit rstd gq (the sum of sum_h dlogit dots: after the loop)
         acc_lo, acc_hi = _load_rows(init_acc_ptr, row_offs, in_range, *cols, PTX)
     else:
-        acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-        acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        acc_lo, acc_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
     norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     if HAS_PARTNER:
         y_lo, y_hi = _load_rows(partner_ptr, row_offs, in_range, *cols, PTX)
         y_rstd = _rstd(y_lo, y_hi, eps, D)
-        y_acc_lo = tl.zeros([BLOCK_T, H_PAD, DH_LO], tl.float32)
-        y_acc_hi = tl.zeros([BLOCK_T, H_PAD, DH_HI], tl.float32)
+        y_acc_lo, y_acc_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         y_norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
         dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows, PTX)
@@ -721,7 +787,7 @@ def route_source_bwd_kernel(
     norm = tl.sum(norm_sum, 1)
     if HAS_INIT:
         norm += tl.load(init_norm_ptr + tok, mask=tok < T, other=0.0)
-    norm_coef = (rstd * rstd * rstd / D * norm)[:, None, None]
+    norm_coef = _per_token(rstd * rstd * rstd / D * norm)
     # the rows loaded again, not held through the loop, which needs only their rstd: registers
     # bound how many programs a multiprocessor runs at once
     x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX, AGAIN=True)
