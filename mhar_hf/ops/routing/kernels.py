@@ -9,8 +9,8 @@ hold it exactly (128 + 32). Heads are padded to a power of two and masked, so an
 works. The blocks put each head on fewer lanes (fused._split): the compiler gives the lanes to
 the last dimension first, 8 bf16 each, so 128 columns in one block spanned 16 lanes, and every
 per-head sum crossed them all (four shuffles and adds per sum and head a thread held; in two
-blocks, three for one head; sm90 build at 350M, loop instructions per source, Triton 3.6:
-forward 271 to 218, site 186 to 165; 3.9: 264 to 208, 191 to 162).
+blocks, three for one head; sm90 build at 350M, site loop instructions per source, Triton 3.6:
+186 to 165). The site and total kernels take blocks; the others run faster in one (fused._split).
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them. A read's source table holds two per source: its rows
 and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
