@@ -9,7 +9,8 @@ host), and the kernels that take the most GPU time. The routing kernels' share s
 a faster kernel can still win. `--host N` adds the N Python functions that take the most host
 time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
-one and the backward node that launched it: what the GPU waited for.
+one and the backward node that launched it: what the GPU waited for; and the routing kernels'
+time by launch (kernel, registers, grid, block), which tells a kernel's variants apart.
 """
 
 from __future__ import annotations
@@ -94,6 +95,28 @@ def idle_gaps(trace: Path, top: int, min_us: float = 5.0) -> str:
     return "\n".join(lines)
 
 
+def routing_launches(trace: Path, steps: int) -> str:
+    """The routing kernels' GPU time per step in a Chrome trace, split by launch: one row per
+    (kernel, registers per thread, grid, block). A kernel's variants (the flags a read launches
+    it with) compile apart and hold different registers (`kernel_resources.py` names each
+    variant's), so a row is one variant at one launch shape."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    time_us, count = Counter(), Counter()
+    for e in events:
+        if e.get("cat") == "kernel" and e["name"].startswith("route_"):
+            args = e["args"]
+            key = (e["name"], args.get("registers per thread"), tuple(args.get("grid", ())),
+                   tuple(args.get("block", ())))
+            time_us[key] += e["dur"]
+            count[key] += 1
+    lines = ["routing launches per step: ms, launches, us each | kernel, registers, grid, block"]
+    for key, us in time_us.most_common():
+        name, registers, grid, block = key
+        lines.append(f"  {us / 1e3 / steps:8.3f} ms {count[key] / steps:6.1f}x {us / count[key]:8.1f} us | "
+                     f"{name}, {registers}, {list(grid)}, {list(block)}")
+    return "\n".join(lines)
+
+
 def host_profile(model, batch: int, seq: int, steps: int, top: int) -> str:
     """Host time per function over `steps` steps (cProfile, so every Python call costs a little
     more than unprofiled), and the steps' synchronising calls (CUDA sync debug mode)."""
@@ -137,6 +160,7 @@ def main():
         print(profile_steps(model, batch, seq, args.steps, args.top, trace), flush=True)
         if trace is not None:
             print(idle_gaps(trace, args.top), flush=True)
+            print(routing_launches(trace, args.steps), flush=True)
         if args.host:
             print(host_profile(model, batch, seq, args.steps, args.host), flush=True)
         del model

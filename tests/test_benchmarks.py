@@ -1,5 +1,7 @@
 """The benchmarks' stand-ins for a training step launch what the model launches."""
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -92,3 +94,26 @@ def test_sweep_constant_rejects_bad_input_before_any_gpu_work():
     assert "give the values" in constant_error("PARTIALS_TILE")
     assert "not a Python literal" in constant_error("PARTIALS_TILE", "{'read': (8, 8)}", "{bad")
     assert constant_error("GROUP_FORWARD_PROGRAMS_PER_SM", "8", "32") is None
+
+
+def test_routing_launches_split_a_kernels_variants_by_registers(tmp_path):
+    """profile_step.routing_launches: per step, each routing kernel's time per (registers, grid,
+    block), so two variants of one kernel at one grid are told apart; other kernels left out."""
+    from profile_step import routing_launches
+
+    def kernel(name, dur, registers, grid=(132, 1, 1)):
+        return {"cat": "kernel", "name": name, "ts": 0, "dur": dur,
+                "args": {"registers per thread": registers, "grid": list(grid), "block": [32, 1, 1]}}
+
+    launches = [("route_fwd_kernel", 30.0, 254), ("route_fwd_kernel", 10.0, 211)] * 3
+    launches += [("route_site_bwd_kernel", 50.0, 119, (528, 1, 1))] * 2 + [("nvjet_sm90_gemm", 900.0, 168)]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [kernel(*launch) for launch in launches]
+                                 + [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]}))
+    rows = routing_launches(trace, steps=2).splitlines()[1:]
+    parsed = [re.fullmatch(r"\s*([\d.]+) ms\s+([\d.]+)x\s+([\d.]+) us \| (.*)", row).groups() for row in rows]
+    assert [(float(ms), float(per_step), float(each), key) for ms, per_step, each, key in parsed] == [
+        (0.05, 1.0, 50.0, "route_site_bwd_kernel, 119, [528, 1, 1], [32, 1, 1]"),
+        (0.045, 1.5, 30.0, "route_fwd_kernel, 254, [132, 1, 1], [32, 1, 1]"),
+        (0.015, 1.5, 10.0, "route_fwd_kernel, 211, [132, 1, 1], [32, 1, 1]"),
+    ]
