@@ -103,9 +103,10 @@ def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, widt
 @pytest.mark.parametrize("split", [1, 4])
 def test_low_tile_in_one_or_four_blocks_matches_fp64_reference(monkeypatch, split, heads_axis, width=320, heads=2,
                                                                 tokens=9):
-    """The interpreter holds the low tile in two column blocks (fused._kernel_args); a GPU launch
-    in one, two or four (fused._split): the others here, on a read (head width 160: 128 + 32)
-    and on a group of gated reads, every gradient against fp64; in both axis orders
+    """The interpreter holds the low tile as a GPU launch does, in two column blocks in the
+    launches that take them (fused.COLUMN_BLOCKS) and in one elsewhere; a GPU launch may take
+    four (fused._split): one and four blocks in every kernel here, on a read (head width 160:
+    128 + 32) and on a group of gated reads, every gradient against fp64; in both axis orders
     (kernels.HEADS_AXIS, by Triton version; a compiled kernel's globals must not change, so a GPU
     runs only its own)."""
     if GPU and heads_axis != kernels.HEADS_AXIS:
@@ -843,7 +844,8 @@ def test_kernels_compile_for_sm90():
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
             kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total"}.get(kernel, "forward")
-            compile_kernel(kernel, flags, width, heads, rows, warps, split=fused._split(kind, fused._tile(width, heads), warps))
+            blocks = fused._split(kind, fused._tile(width, heads), warps)
+            compile_kernel(kernel, flags, width, heads, rows, warps, split=blocks)
         print("compiled")
     """)
     result = run_without_interpreter(script)
@@ -869,8 +871,8 @@ def test_low_tile_in_blocks_keeps_each_head_on_few_lanes_of_one_warp():
         for preset in ("100M", "350M", "1B"):
             width = MHARConfig.from_preset(preset).hidden_size
             launch = fused._kernel_args("site", width, 8)
-            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, width, 8, launch["BLOCK_T"], launch["num_warps"],
-                                   split=launch["SPLIT"]).asm["ttgir"]
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, width, 8, launch["BLOCK_T"],
+                                   launch["num_warps"], split=launch["SPLIT"]).asm["ttgir"]
             lanes = [int(n) for n in layout.search(ttgir).groups()]
             blocks = 3 - kernels.HEADS_AXIS  # the axis of column blocks
             print("tile", preset, launch["num_warps"], lanes[blocks] * lanes[3], lanes[4 + blocks] * lanes[7])

@@ -61,6 +61,7 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (4, 2048, 3), "source_paired": (2, 2048, 3),
           "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
+COLUMN_BLOCKS = ("site", "site_few", "total")  # the launches whose low tile is in column blocks (_split)
 # An ungated read of at least this many sources takes S from its output in the site kernel
 # (TOTAL_FROM_OUT): 5-14 % fewer instructions per source in the sm90 build, for one more row loaded
 # per token block, which a read of few sources feels most. NOT YET MEASURED: at 8, the extra row
@@ -118,8 +119,9 @@ def _kernel_args(kind: str, width: int, num_heads: int) -> dict:
         rows = 1 << (max(1, per_warp // _padded_width(tile)).bit_length() - 1)
     if stages:
         tile = dict(tile, STAGES=stages[0])
-    if _interpreted():  # two column blocks wherever a head has them, so the tests run the split tile
-        return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4, SPLIT=min(2, tile["DH_LO"]))
+    if _interpreted():  # two column blocks where a GPU launch takes them, so the tests run the split tile
+        split = min(2, tile["DH_LO"]) if kind in COLUMN_BLOCKS else 1
+        return dict(tile, BLOCK_T=INTERPRETER_ROWS, num_warps=4, SPLIT=split)
     warps = min(max(triton.next_power_of_2(triton.cdiv(rows * _padded_width(tile), per_warp)), 1), 8)
     return dict(tile, BLOCK_T=rows, num_warps=warps, SPLIT=_split(kind, tile, warps))
 
@@ -133,7 +135,7 @@ def _split(kind: str, tile: dict, warps: int) -> int:
     them: H100, Triton 3.6, full mode, ms per step's reads in blocks against one, site 350M 3.29 to
     2.94 and 1B 4.39 to 4.19, total 0.385 to 0.362 at 350M, where the forwards ran 5-16 % slower
     in blocks and the source kernels within 2 % (benchmarks/results/sweeps/column_blocks.md)."""
-    if kind not in ("site", "site_few", "total"):
+    if kind not in COLUMN_BLOCKS:
         return 1
     return max(1, min(tile["DH_LO"] * tile["H_PAD"] // (8 * 32 * warps), tile["DH_LO"] // 8))
 
