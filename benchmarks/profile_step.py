@@ -32,7 +32,30 @@ from torch.profiler import ProfilerActivity, profile
 from bench_train import MICRO_BATCH, build, compile_regions, training_step
 
 
-def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None) -> str:
+# Kernel families by name, first match wins: where a step's GPU time goes outside the routing kernels
+FAMILIES = (("routing", ("route_",)), ("compiled (Inductor)", ("triton_",)), ("optimizer", ("multi_tensor_apply",)),
+            ("matmul", ("nvjet", "gemm", "cutlass", "cublas")), ("attention", ("sdpa", "fmha", "flash")),
+            ("loss", ("SoftMax", "nll_loss")), ("copies and fills", ("copy", "Fill", "memcpy", "memset")),
+            ("other eager", ("",)))
+
+
+def family(name: str) -> str:
+    return next(label for label, marks in FAMILIES if any(mark in name for mark in marks))
+
+
+def families_table(times: dict[str, Counter]) -> str:
+    """ms per step of each kernel family, per model, and each model's difference from the first."""
+    labels = list(times)
+    lines = ["GPU ms per step by kernel family | " + " | ".join(labels) + " | " + " | ".join(f"{m} - {labels[0]}" for m in labels[1:])]
+    for name, _ in FAMILIES:
+        row = [times[m][name] for m in labels]
+        lines.append(f"  {name:20s} " + " ".join(f"{v:8.3f}" for v in row)
+                     + " " + " ".join(f"{v - row[0]:+8.3f}" for v in row[1:]))
+    return "\n".join(lines)
+
+
+def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None,
+                  families: Counter | None = None) -> str:
     step = training_step(model, batch, seq)
     for _ in range(3):
         step()
@@ -55,6 +78,9 @@ def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path
     routing_ms = sum(e.self_device_time_total for e in events if "route_" in e.key) / 1e3 / steps
     lines = [f"step {plain_ms:.2f} ms ({wall_ms:.2f} ms profiled), GPU busy {gpu_ms:.2f} ms, "
              f"routing kernels {routing_ms:.2f} ms"]
+    if families is not None:
+        for e in events:
+            families[family(e.key)] += e.self_device_time_total / 1e3 / steps
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:top]:
         lines.append(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  {e.count // steps:5d}x  {e.key[:110]}")
@@ -152,12 +178,14 @@ def main():
     args = parser.parse_args()
     batch, seq = MICRO_BATCH[args.preset]
     torch._dynamo.config.recompile_limit = 256  # one compiled graph per layer
+    families = {}
     for label, mode, whole_layers in (("plain, compiled layers", "standard", True), (f"MHAR {args.mode}", args.mode, False)):
         model = build(args.preset, mode, args.heads, "fused")
         compile_regions(model, whole_layers=whole_layers)
         print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}")
         trace = args.trace if mode != "standard" else None
-        print(profile_steps(model, batch, seq, args.steps, args.top, trace), flush=True)
+        families[label] = Counter()
+        print(profile_steps(model, batch, seq, args.steps, args.top, trace, families[label]), flush=True)
         if trace is not None:
             print(idle_gaps(trace, args.top), flush=True)
             print(routing_launches(trace, args.steps), flush=True)
@@ -165,6 +193,7 @@ def main():
             print(host_profile(model, batch, seq, args.steps, args.host), flush=True)
         del model
         torch.cuda.empty_cache()
+    print(families_table(families))
 
 
 if __name__ == "__main__":

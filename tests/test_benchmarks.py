@@ -117,3 +117,25 @@ def test_routing_launches_split_a_kernels_variants_by_registers(tmp_path):
         (0.045, 1.5, 30.0, "route_fwd_kernel, 254, [132, 1, 1], [32, 1, 1]"),
         (0.015, 1.5, 10.0, "route_fwd_kernel, 211, [132, 1, 1], [32, 1, 1]"),
     ]
+
+
+def test_kernel_families_sort_names_and_table_the_differences():
+    """profile_step.family puts a kernel in the first family whose mark its name holds (routing
+    before compiled, the rest in "other eager"); families_table prints each family's ms per model
+    and its difference from the first model."""
+    from collections import Counter
+
+    from profile_step import FAMILIES, families_table, family
+
+    assert family("route_site_bwd_kernel") == "routing"
+    assert family("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled (Inductor)"
+    assert family("nvjet_sm90_tst_128x256_64x4_4x2_h_bz_coopA_NTN") == "matmul"
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert family("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add") == "other eager"
+    times = {"plain": Counter({"matmul": 10.0, "compiled (Inductor)": 2.0}),
+             "MHAR": Counter({"matmul": 10.0, "compiled (Inductor)": 2.5, "routing": 1.25})}
+    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in families_table(times).splitlines()[1:]}
+    assert len(rows) == len(FAMILIES)
+    assert rows["routing"] == ["0.000", "1.250", "+1.250"]
+    assert rows["compiled (Inductor)"] == ["2.000", "2.500", "+0.500"]
+    assert rows["matmul"] == ["10.000", "10.000", "+0.000"]
