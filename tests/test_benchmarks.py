@@ -139,3 +139,14 @@ def test_kernel_families_sort_names_and_table_the_differences():
     assert rows["routing"] == ["0.000", "1.250", "+1.250"]
     assert rows["compiled (Inductor)"] == ["2.000", "2.500", "+0.500"]
     assert rows["matmul"] == ["10.000", "10.000", "+0.000"]
+
+
+def test_own_memory_takes_what_earlier_configurations_held_off_the_peak():
+    """bench_train.own_memory: the peak less the bytes held before the model was built, both in
+    GiB; the other figures unchanged."""
+    from bench_train import own_memory
+
+    figures = {"step_ms": 40.0, "tokens_per_s": 51200, "peak_mem_gib": 15.52}
+    assert own_memory(figures, held=2**30 * 3 // 4) == {"step_ms": 40.0, "tokens_per_s": 51200,
+                                                         "peak_mem_gib": 14.77, "held_gib": 0.75}
+    assert own_memory(figures, held=0)["peak_mem_gib"] == 15.52
