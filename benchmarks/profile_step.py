@@ -6,7 +6,9 @@ Runs the harness of `bench_train.py` (same shapes, regional compile, fused AdamW
 PyTorch profiler and prints, for each model, the time of a step (unprofiled, then profiled), the GPU
 time summed over its kernels (a gap between step and GPU time is time the GPU waited for the
 host), and the kernels that take the most GPU time. The routing kernels' share says how much
-a faster kernel can still win. `--host N` adds the N Python functions that take the most host
+a faster kernel can still win; the last table sums both models' GPU time by kernel family
+(routing, compiled, matmul, attention, ...), whose differences say where MHAR's step spends time
+outside the routing kernels. `--host N` adds the N Python functions that take the most host
 time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
 one and the backward node that launched it: what the GPU waited for; and the routing kernels'
