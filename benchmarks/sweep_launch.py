@@ -4,6 +4,7 @@
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
     python benchmarks/sweep_launch.py --presets 1B --mode block --kinds site_few
     python benchmarks/sweep_launch.py --mode delta --constant GROUP_FORWARD_PROGRAMS_PER_SM 8 16 32
+    python benchmarks/sweep_launch.py --presets 100M --mode block --constant COLUMN_BLOCKS "('site', 'site_few', 'total')" "()"
 
 For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows
 per program, tile elements per warp, pipeline stages) choice of one kernel is timed by that
@@ -12,7 +13,8 @@ kernel's own GPU time in one step's reads (forward + backward), the other kernel
 (`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
 the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
 speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
-With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile)
+With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile,
+the launches in column blocks)
 is swept instead, and every routing kernel's time is printed per value.
 """
 
@@ -89,7 +91,8 @@ def constant_error(name: str, *values: str) -> str | None:
 
 def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float) -> None:
     """Every routing kernel's time in one step's reads with fused.`name` set to each value in turn
-    (Python literals); the default comes back afterwards, also on an error."""
+    (Python literals); the default comes back afterwards, also on an error. The cached launch
+    arguments are cleared with each value: some constants (COLUMN_BLOCKS) shape them."""
     default = getattr(fused, name)
     try:
         for preset in presets:
@@ -98,10 +101,12 @@ def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float
             sites = model_sites(preset, mode)
             for value in values:
                 setattr(fused, name, ast.literal_eval(value))
+                fused._kernel_args.cache_clear()
                 figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
                 print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
     finally:
         setattr(fused, name, default)
+        fused._kernel_args.cache_clear()
 
 
 def parse_choice(text: str) -> tuple[int, int, int]:

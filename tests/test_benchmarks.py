@@ -86,6 +86,23 @@ def test_sweep_constant_times_each_value_and_restores_the_default(monkeypatch, c
     assert capsys.readouterr().out.count("100M PARTIALS_TILE=") == 2
 
 
+def test_sweep_constant_relaunches_with_each_value_of_a_constant_that_shapes_launches(monkeypatch):
+    """COLUMN_BLOCKS decides the launch arguments, which are cached: each swept value must reach
+    them (the cache cleared), and the default again afterwards."""
+    import sweep_launch
+
+    seen = []
+    monkeypatch.setattr(sweep_launch, "model_sites", lambda preset, mode: [(3, "group"), (3, "ahead")])
+    monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: seen.append(
+        fused._kernel_args("site", 512, 8)["SPLIT"]) or {"fwd_bwd_kernels_ms": {}})
+    split = fused._kernel_args("site", 512, 8)["SPLIT"]
+    assert split == 2  # one warp of d = 512 (GPU) or the interpreter's launch: two column blocks
+    sweep_launch.sweep_constant(["100M"], "block", "COLUMN_BLOCKS", "('site', 'site_few', 'total')", "()",
+                                bandwidth=1.0)
+    assert seen == [2, 1]
+    assert fused._kernel_args("site", 512, 8)["SPLIT"] == 2
+
+
 def test_sweep_constant_rejects_bad_input_before_any_gpu_work():
     from sweep_launch import constant_error
 
