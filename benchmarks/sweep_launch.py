@@ -14,8 +14,8 @@ kernel's own GPU time in one step's reads (forward + backward), the other kernel
 the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
 speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
 With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile,
-the launches in column blocks)
-is swept instead, and every routing kernel's time is printed per value.
+the launches in column blocks) is swept instead, and every routing kernel's time is printed per
+value.
 """
 
 from __future__ import annotations
