@@ -257,9 +257,10 @@ def release():
 
 
 def held_bytes() -> int:
-    """GPU memory still allocated after `release()`: what earlier configurations of the run left
-    behind, which the next configuration's peak would otherwise count."""
-    release()
+    """GPU memory still allocated (each configuration ends with `release()`; this collects the
+    garbage of what ran since): what earlier work of the run left behind, which the next
+    configuration's peak would otherwise count."""
+    gc.collect()
     return torch.cuda.memory_allocated()
 
 

@@ -56,8 +56,9 @@ def families_table(times: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None,
-                  families: Counter | None = None) -> str:
+def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None
+                  ) -> tuple[str, Counter]:
+    """The step's summary and top kernels (text), and its GPU ms per step by kernel family."""
     step = training_step(model, batch, seq)
     for _ in range(3):
         step()
@@ -76,17 +77,15 @@ def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    routing_ms = sum(e.self_device_time_total for e in events if "route_" in e.key) / 1e3 / steps
-    lines = [f"step {plain_ms:.2f} ms ({wall_ms:.2f} ms profiled), GPU busy {gpu_ms:.2f} ms, "
-             f"routing kernels {routing_ms:.2f} ms"]
-    if families is not None:
-        for e in events:
-            families[family(e.key)] += e.self_device_time_total / 1e3 / steps
+    families = Counter()
+    for e in events:
+        families[family(e.key)] += e.self_device_time_total / 1e3 / steps
+    lines = [f"step {plain_ms:.2f} ms ({wall_ms:.2f} ms profiled), GPU busy {sum(families.values()):.2f} ms, "
+             f"routing kernels {families['routing']:.2f} ms"]
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:top]:
         lines.append(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  {e.count // steps:5d}x  {e.key[:110]}")
-    return "\n".join(lines)
+    return "\n".join(lines), families
 
 
 def idle_gaps(trace: Path, top: int, min_us: float = 5.0) -> str:
@@ -186,8 +185,8 @@ def main():
         compile_regions(model, whole_layers=whole_layers)
         print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}")
         trace = args.trace if mode != "standard" else None
-        families[label] = Counter()
-        print(profile_steps(model, batch, seq, args.steps, args.top, trace, families[label]), flush=True)
+        text, families[label] = profile_steps(model, batch, seq, args.steps, args.top, trace)
+        print(text, flush=True)
         if trace is not None:
             print(idle_gaps(trace, args.top), flush=True)
             print(routing_launches(trace, args.steps), flush=True)
