@@ -8,7 +8,9 @@ time summed over its kernels (a gap between step and GPU time is time the GPU wa
 host), and the kernels that take the most GPU time. The routing kernels' share says how much
 a faster kernel can still win; the last table sums both models' GPU time by kernel family
 (routing, compiled, matmul, attention, ...), whose differences say where MHAR's step spends time
-outside the routing kernels. `--host N` adds the N Python functions that take the most host
+outside the routing kernels. `--graph` captures each step in one CUDA graph, as the
+benchmark's "+graph" paths run it, so that GPU busy against the step time is the idle time left
+inside the graph. `--host N` adds the N Python functions that take the most host
 time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
 one and the backward node that launched it: what the GPU waited for; and the routing kernels'
@@ -31,18 +33,19 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_train import MICRO_BATCH, build, compile_regions, training_step
+from bench_train import MICRO_BATCH, build, captured_step, compile_regions, training_step
 
 
-# Kernel families by name, first match wins: where a step's GPU time goes outside the routing kernels
+# Kernel families by name (case apart), first match wins: where a step's GPU time goes outside the routing kernels
 FAMILIES = (("routing", ("route_",)), ("compiled (Inductor)", ("triton_",)), ("optimizer", ("multi_tensor_apply",)),
             ("matmul", ("nvjet", "gemm", "cutlass", "cublas")), ("attention", ("sdpa", "fmha", "flash")),
-            ("loss", ("SoftMax", "nll_loss")), ("copies and fills", ("copy", "Fill", "memcpy", "memset")),
+            ("loss", ("softmax", "nll_loss")), ("copies and fills", ("copy", "fill", "memcpy", "memset")),
             ("other eager", ("",)))
 
 
 def family(name: str) -> str:
-    return next(label for label, marks in FAMILIES if any(mark in name for mark in marks))
+    """The family of a kernel (or the profiler's "Memcpy HtoD (Pinned -> Device)", "Memset (Device)")."""
+    return next(label for label, marks in FAMILIES if any(mark in name.lower() for mark in marks))
 
 
 def families_table(times: dict[str, Counter]) -> str:
@@ -56,10 +59,14 @@ def families_table(times: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None
+def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None, graph: bool = False
                   ) -> tuple[str, Counter]:
-    """The step's summary and top kernels (text), and its GPU ms per step by kernel family."""
-    step = training_step(model, batch, seq)
+    """The step's summary and top kernels (text), and its GPU ms per step by kernel family. With
+    `graph` the step is captured in one CUDA graph, as bench_train.py's "+graph" paths run it:
+    what is left between GPU busy and the step time is then idle time inside the graph."""
+    step = training_step(model, batch, seq, capturable=graph)
+    if graph:
+        step = captured_step(step, warmup=3)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -176,6 +183,7 @@ def main():
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host", type=int, default=0, help="also print the N functions with the most host time")
     parser.add_argument("--trace", type=Path, help="write the MHAR model's profiler trace (Chrome JSON) here")
+    parser.add_argument("--graph", action="store_true", help="profile each step captured in a CUDA graph")
     args = parser.parse_args()
     batch, seq = MICRO_BATCH[args.preset]
     torch._dynamo.config.recompile_limit = 256  # one compiled graph per layer
@@ -183,9 +191,9 @@ def main():
     for label, mode, whole_layers in (("plain, compiled layers", "standard", True), (f"MHAR {args.mode}", args.mode, False)):
         model = build(args.preset, mode, args.heads, "fused")
         compile_regions(model, whole_layers=whole_layers)
-        print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}")
+        print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}{', one CUDA graph' if args.graph else ''}")
         trace = args.trace if mode != "standard" else None
-        text, families[label] = profile_steps(model, batch, seq, args.steps, args.top, trace)
+        text, families[label] = profile_steps(model, batch, seq, args.steps, args.top, trace, args.graph)
         print(text, flush=True)
         if trace is not None:
             print(idle_gaps(trace, args.top), flush=True)

@@ -149,6 +149,7 @@ def test_kernel_families_sort_names_and_table_the_differences():
     assert family("nvjet_sm90_tst_128x256_64x4_4x2_h_bz_coopA_NTN") == "matmul"
     assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert family("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add") == "other eager"
+    assert family("Memcpy HtoD (Pinned -> Device)") == family("Memset (Device)") == "copies and fills"
     times = {"plain": Counter({"matmul": 10.0, "compiled (Inductor)": 2.0}),
              "MHAR": Counter({"matmul": 10.0, "compiled (Inductor)": 2.5, "routing": 1.25})}
     rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in families_table(times).splitlines()[1:]}

@@ -82,6 +82,8 @@ KEEP_RSTD = True
 PARTIALS_TILE = {"read": (1024, 8), "group": (256, 32)}
 PARTIALS_WARPS = 8
 SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
+SITE_PROGRAMS_MAX_PER_SM = 4  # the most (_site_programs)
+SITE_PARTIALS_SHARE = 8  # a read's partial sums at most 1 / this of its sources' bytes (_site_programs)
 GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
 
@@ -164,20 +166,26 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device,
                    reads: int = 1) -> int:
-    """Programs per read of the site backward, each writing `partial_bytes` of partial sums:
-    enough to fill every multiprocessor with warps (memory latency is hidden by many loads in
-    flight), but no more than keep a read's partials under an eighth of the bytes its sources
-    hold (at 1B a delta read's 3 x 2112 x d fp32 partials outweighed its sources: 2.7 + 0.9 ms
-    of 6.7 ms per step went to writing and summing them), and never fewer than 4 per
-    multiprocessor: with one, a read of few sources left its loads' latency bare (1B delta,
-    H200: 2.77 ms of site kernels per step with one per multiprocessor, 1.43 with 4, 1.69 with
-    8). A launch for a group of `reads` shares the 4 among its reads, not the byte bound: shared,
-    its fewer programs took 1.84 ms of site kernel per 1B delta step against 1.28."""
+    """Programs per read of the site backward, each looping over token blocks and writing
+    `partial_bytes` of partial sums: enough to fill every multiprocessor with warps (memory
+    latency is hidden by many loads in flight), but no more than keep a read's partials under
+    1 / SITE_PARTIALS_SHARE of the bytes its sources hold (at 1B a delta read's 3 x 2112 x d fp32
+    partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms per step went to writing and summing
+    them), and never fewer than SITE_PROGRAMS_PER_SM per multiprocessor: with one, a read of few
+    sources left its loads' latency bare (1B delta, H200: 2.77 ms of site kernels per step with one
+    per multiprocessor, 1.43 with 4, 1.69 with 8). A launch for a group of `reads` shares those
+    among its reads, not the byte bound: shared, its fewer programs took 1.84 ms of site kernel
+    per 1B delta step against 1.28. At most SITE_PROGRAMS_MAX_PER_SM per multiprocessor: the
+    site kernels hold 160-250 registers a thread, so 4-6 programs fit a multiprocessor at once:
+    more run in waves (the last, likely, leaving multiprocessors idle) and add partials. H100,
+    full mode, ms of site + partials kernels per step at 16 / 8 / 6 / 4: 350M 3.18 / 3.39 / 2.87 /
+    3.16, 1B 4.58 / 4.27 / 4.56 / 3.94; block 350M 1.48 to 1.34 at 4; delta within 0.03; the 1B
+    full step 0.785 to 0.794 x plain (benchmarks/results/sweeps/site_programs.md)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
-    by_bytes = source_bytes // (8 * partial_bytes)
-    return min(token_blocks, 16 * multiprocessors,
+    by_bytes = source_bytes // (SITE_PARTIALS_SHARE * partial_bytes)
+    return min(token_blocks, SITE_PROGRAMS_MAX_PER_SM * multiprocessors,
                max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
 
 
