@@ -191,7 +191,8 @@ def main():
     for label, mode, whole_layers in (("plain, compiled layers", "standard", True), (f"MHAR {args.mode}", args.mode, False)):
         model = build(args.preset, mode, args.heads, "fused")
         compile_regions(model, whole_layers=whole_layers)
-        print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}{', one CUDA graph' if args.graph else ''}")
+        graphed = ", one CUDA graph" if args.graph else ""
+        print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}{graphed}")
         trace = args.trace if mode != "standard" else None
         text, families[label] = profile_steps(model, batch, seq, args.steps, args.top, trace, args.graph)
         print(text, flush=True)

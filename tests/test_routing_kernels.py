@@ -821,6 +821,24 @@ def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
         fused._kernel_args.cache_clear()
 
 
+def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, sms=132):
+    """A read's site launch on a GPU of `sms` multiprocessors: one token block per program up to
+    SITE_PROGRAMS_MAX_PER_SM per multiprocessor, past which programs loop over blocks; a group
+    of reads shares the SITE_PROGRAMS_PER_SM floor among its reads, but each read keeps the
+    programs whose partials stay under 1 / SITE_PARTIALS_SHARE of its sources' bytes."""
+    monkeypatch.setattr(fused, "_multiprocessors", lambda device: sms)
+    low, high = fused.SITE_PROGRAMS_PER_SM * sms, fused.SITE_PROGRAMS_MAX_PER_SM * sms
+    row = 4 * 1024 * 4  # four fp32 partial rows of d = 1024 per program
+    cpu = torch.device("cpu")
+    assert fused._site_programs(100, 10**12, row, cpu) == 100
+    assert fused._site_programs(100_000, 10**12, row, cpu) == high
+    assert fused._site_programs(100_000, 0, row, cpu) == min(low, high)
+    reads = 10
+    assert fused._site_programs(100_000, 0, row, cpu, reads) == min(-(-low // reads), high)
+    enough = 300 * fused.SITE_PARTIALS_SHARE * row  # partials bound: 300 programs
+    assert fused._site_programs(100_000, enough, row, cpu, reads) == min(max(300, -(-low // reads)), high)
+
+
 def run_without_interpreter(script: str) -> subprocess.CompletedProcess:
     """A Python script run in a fresh process with TRITON_INTERPRET unset (this process set it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -180,7 +180,7 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     more run in waves (the last, likely, leaving multiprocessors idle) and add partials. H100,
     full mode, ms of site + partials kernels per step at 16 / 8 / 6 / 4: 350M 3.18 / 3.39 / 2.87 /
     3.16, 1B 4.58 / 4.27 / 4.56 / 3.94; block 350M 1.48 to 1.34 at 4; delta within 0.03; the 1B
-    full step 0.785 to 0.794 x plain (benchmarks/results/sweeps/site_programs.md)."""
+    full step 0.785 to 0.794 x plain (BENCHMARKS.md, fourth session of 2026-12-05)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
