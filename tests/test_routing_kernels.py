@@ -147,6 +147,25 @@ def test_tuned_launch_at_training_size(heads, n):
         assert rel_rms(grad, expected) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(not GPU, reason="only compiled kernels have registers to count")
+def test_site_launch_counts_the_programs_of_the_variant_it_runs():
+    """The site launch's programs per multiprocessor come from the variant it runs: the warmup
+    that counts them compiles that variant (one compiled site kernel after a read's backward, not
+    a second one for the launch), and the count is what its registers, warps and shared memory
+    allow."""
+    device = torch.device(DEVICE)
+    cache = kernels.route_site_bwd_kernel.device_caches[torch.cuda.current_device()][0]
+    cache.clear()
+    fused._RESIDENT.clear()
+    sources, query, norm_weight, null_source = routing_inputs(6, 1280, 2048, dtype=torch.bfloat16, null=True)
+    grad_out = torch.randn(1, 2048, 1280, device=DEVICE).bfloat16()
+    forward_and_grads(fused_route, sources, query, norm_weight, null_source, 8, grad_out)
+    assert len(cache) == 1 and len(fused._RESIDENT) == 1
+    (compiled,) = cache.values()
+    counted = fused._fitting_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, device)
+    assert fused._RESIDENT.popitem()[1] == counted
+
+
 @triton.jit
 def _converted(src_ptr, dst_ptr, N: tl.constexpr):
     """The rows of a bf16 tile as the kernels convert them with PTX (kernels._bf16_pairs_to_fp32)."""
@@ -669,6 +688,9 @@ class LaunchSpy:
 
         return launch
 
+    def __getattr__(self, name):  # the rest (the site launch's warmup) is the kernel's
+        return getattr(self.kernel, name)
+
 
 SPIED = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel")
 
@@ -821,22 +843,42 @@ def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
         fused._kernel_args.cache_clear()
 
 
-def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, sms=132):
-    """A read's site launch on a GPU of `sms` multiprocessors: one token block per program up to
-    SITE_PROGRAMS_MAX_PER_SM per multiprocessor, past which programs loop over blocks; a group
-    of reads shares the SITE_PROGRAMS_PER_SM floor among its reads, but each read keeps the
-    programs whose partials stay under 1 / SITE_PARTIALS_SHARE of its sources' bytes."""
+def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, sms=132, resident=6):
+    """A read's site launch on a GPU of `sms` multiprocessors, each holding `resident` of its
+    programs at once: one token block per program up to that many per multiprocessor, past which
+    programs loop over blocks; a group of reads shares the SITE_PROGRAMS_PER_SM floor among its
+    reads, but each read keeps the programs whose partials stay under 1 / SITE_PARTIALS_SHARE of
+    its sources' bytes. SITE_PROGRAMS_MAX_PER_SM, where set, stands in for `resident`."""
     monkeypatch.setattr(fused, "_multiprocessors", lambda device: sms)
-    low, high = fused.SITE_PROGRAMS_PER_SM * sms, fused.SITE_PROGRAMS_MAX_PER_SM * sms
+    monkeypatch.setattr(fused, "SITE_PROGRAMS_MAX_PER_SM", None)
+    low, high = fused.SITE_PROGRAMS_PER_SM * sms, resident * sms
     row = 4 * 1024 * 4  # four fp32 partial rows of d = 1024 per program
     cpu = torch.device("cpu")
-    assert fused._site_programs(100, 10**12, row, cpu) == 100
-    assert fused._site_programs(100_000, 10**12, row, cpu) == high
-    assert fused._site_programs(100_000, 0, row, cpu) == min(low, high)
+    assert fused._site_programs(100, 10**12, row, cpu, resident) == 100
+    assert fused._site_programs(100_000, 10**12, row, cpu, resident) == high
+    assert fused._site_programs(100_000, 0, row, cpu, resident) == min(low, high)
     reads = 10
-    assert fused._site_programs(100_000, 0, row, cpu, reads) == min(-(-low // reads), high)
+    assert fused._site_programs(100_000, 0, row, cpu, resident, reads) == min(-(-low // reads), high)
     enough = 300 * fused.SITE_PARTIALS_SHARE * row  # partials bound: 300 programs
-    assert fused._site_programs(100_000, enough, row, cpu, reads) == min(max(300, -(-low // reads)), high)
+    assert fused._site_programs(100_000, enough, row, cpu, resident, reads) == min(max(300, -(-low // reads)), high)
+    monkeypatch.setattr(fused, "SITE_PROGRAMS_MAX_PER_SM", 2)
+    assert fused._site_programs(100_000, 10**12, row, cpu, resident) == 2 * sms
+
+
+@pytest.mark.parametrize("registers, warps, shared, fitting", [
+    (168, 2, 0, 6),  # 168 x 32 = 21 blocks of 256 per warp: 65536 // (2 x 5376) = 6
+    (222, 2, 0, 4),  # 222 x 32 = 7104, 28 blocks (7168) a warp: 65536 // 14336 = 4
+    (255, 1, 0, 8),  # 255 x 32 = 8160, 32 blocks (8192): 8
+    (32, 1, 0, 32),  # registers for 64 programs: at most 32 programs a multiprocessor
+    (32, 8, 0, 8),  # 2048 threads // 256 a program
+    (64, 1, 40 * 1024, 5),  # shared memory: 233472 // (40960 + 1024) = 5
+])
+def test_fitting_programs_follow_the_multiprocessor_limits(monkeypatch, registers, warps, shared, fitting):
+    """Programs one multiprocessor runs at once, by registers (in blocks of 256 a warp), threads,
+    the 32-program limit and shared memory (1 KiB more a program), with an H100's limits."""
+    monkeypatch.setattr(fused, "_multiprocessor_limits",
+                        lambda device: dict(registers=65536, threads=2048, shared=233472))
+    assert fused._fitting_programs(registers, warps, shared, torch.device("cuda")) == fitting
 
 
 def run_without_interpreter(script: str) -> subprocess.CompletedProcess:

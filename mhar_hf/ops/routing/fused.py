@@ -82,7 +82,8 @@ KEEP_RSTD = True
 PARTIALS_TILE = {"read": (1024, 8), "group": (256, 32)}
 PARTIALS_WARPS = 8
 SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
-SITE_PROGRAMS_MAX_PER_SM = 4  # the most (_site_programs)
+# The most: None, as many as a multiprocessor holds at once (_resident_programs); a number fixes it
+SITE_PROGRAMS_MAX_PER_SM = None
 SITE_PARTIALS_SHARE = 8  # a read's partial sums at most 1 / this of its sources' bytes (_site_programs)
 GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
@@ -165,7 +166,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, device: torch.device,
-                   reads: int = 1) -> int:
+                   resident: int, reads: int = 1) -> int:
     """Programs per read of the site backward, each looping over token blocks and writing
     `partial_bytes` of partial sums: enough to fill every multiprocessor with warps (memory
     latency is hidden by many loads in flight), but no more than keep a read's partials under
@@ -175,18 +176,63 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     sources left its loads' latency bare (1B delta, H200: 2.77 ms of site kernels per step with one
     per multiprocessor, 1.43 with 4, 1.69 with 8). A launch for a group of `reads` shares those
     among its reads, not the byte bound: shared, its fewer programs took 1.84 ms of site kernel
-    per 1B delta step against 1.28. At most SITE_PROGRAMS_MAX_PER_SM per multiprocessor: the
-    site kernels hold 160-250 registers a thread, so 4-6 programs fit a multiprocessor at once:
-    more run in waves (the last, likely, leaving multiprocessors idle) and add partials. H100,
-    full mode, ms of site + partials kernels per step at 16 / 8 / 6 / 4: 350M 3.18 / 3.39 / 2.87 /
-    3.16, 1B 4.58 / 4.27 / 4.56 / 3.94; block 350M 1.48 to 1.34 at 4; delta within 0.03; the 1B
-    full step 0.785 to 0.794 x plain (BENCHMARKS.md, fourth session of 2026-12-05)."""
+    per 1B delta step against 1.28. At most `resident` per multiprocessor, the launch's variant's
+    programs that one runs at once (or SITE_PROGRAMS_MAX_PER_SM where set): more run in waves, the
+    last likely leaving multiprocessors idle, and add partials. The site kernels hold 160-250
+    registers a thread, 4-6 programs a multiprocessor; H100, full mode, ms of site + partials
+    kernels per step with at most 16 / 8 / 6 / 4 a multiprocessor: 350M (168 registers, 6 fit)
+    3.18 / 3.39 / 2.87 / 3.16, 1B (222, 4 fit) 4.58 / 4.27 / 4.56 / 3.94 (BENCHMARKS.md, fourth
+    session of 2026-12-05)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
+    most = SITE_PROGRAMS_MAX_PER_SM or resident
     by_bytes = source_bytes // (SITE_PARTIALS_SHARE * partial_bytes)
-    return min(token_blocks, SITE_PROGRAMS_MAX_PER_SM * multiprocessors,
+    return min(token_blocks, most * multiprocessors,
                max(by_bytes, triton.cdiv(SITE_PROGRAMS_PER_SM * multiprocessors, reads)))
+
+
+def _fitting_programs(registers: int, warps: int, shared_bytes: int, device: torch.device) -> int:
+    """Programs of `warps` warps, each thread holding `registers` registers and each program
+    `shared_bytes` of shared memory, that one multiprocessor of `device` runs at once (NVIDIA's
+    rules: registers go to warps in blocks of 256, and the driver keeps 1 KiB of shared memory
+    per program)."""
+    limits = _multiprocessor_limits(device)
+    per_warp = -(-registers * 32 // 256) * 256
+    fitting = [limits["registers"] // (per_warp * warps), limits["threads"] // (32 * warps), 32]
+    if shared_bytes:
+        fitting.append(limits["shared"] // (shared_bytes + 1024))
+    return max(1, min(fitting))
+
+
+@functools.cache
+def _multiprocessor_limits(device: torch.device) -> dict:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    properties = torch.cuda.get_device_properties(index)
+    registers = triton.runtime.driver.active.utils.get_device_properties(index)["max_num_regs"]
+    return dict(registers=registers, threads=properties.max_threads_per_multi_processor,
+                shared=properties.shared_memory_per_multiprocessor)
+
+
+_RESIDENT: dict[tuple, int] = {}  # _resident_programs' counts, per kernel variant
+
+
+def _resident_programs(kernel, args: tuple, constexprs: dict, device: torch.device) -> int:
+    """How many programs of the variant of `kernel` that these arguments launch one multiprocessor
+    of `device` runs at once, from its compiled binary: Triton's warmup compiles the variant
+    without running it, so the count is known before its first launch, and every launch of it
+    gets the same grid (the partials' summing order, so the gradients' bits, stays fixed).
+    1 where nothing is compiled (the interpreter, or a CPU), where the count does not matter."""
+    if _interpreted() or device.type != "cuda":
+        return 1
+    key = (kernel, device, tuple(sorted(constexprs.items())),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **constexprs)
+        compiled._init_handles()  # loads the binary, which sets its register count (n_regs)
+        _RESIDENT[key] = _fitting_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
+                                           device)
+    return _RESIDENT[key]
 
 
 def _group_forward_programs(token_blocks: int, reads: int, device: torch.device) -> int:
@@ -668,22 +714,24 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     has_null, has_gate = null_source is not None, gate is not None
     params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
     rows = len(params) + 2 * (second is not None)
-    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
-                              * len(sources), 4 * width * rows, device)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
     gq = _empty((width + 1,), dtype=torch.float32, device=device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
-    sums_end = rows * programs * width
-    partials = _empty((sums_end + programs * has_gate,), dtype=torch.float32, device=device)
-    kernels.route_site_bwd_kernel[(programs,)](
-        table, table, first, null_source if has_null else query, query, key_norm_weight,
-        gate if has_gate else query, lse, grad_out, out if out is not None else grad_out, total, gq, partials, terms,
-        q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
-                  else (lse, grad_out, total, terms)),
-        num_sources, len(sources), 1, tokens, eps,
-        HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-        TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None), **launch,
-    )
+
+    def arguments(partials):
+        return (table, table, first, null_source if has_null else query, query, key_norm_weight,
+                gate if has_gate else query, lse, grad_out, out if out is not None else grad_out, total, gq, partials,
+                terms, q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
+                                 else (lse, grad_out, total, terms)),
+                num_sources, len(sources), 1, tokens, eps)
+
+    constexprs = dict(HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
+                      TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None), **launch)
+    resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
+    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
+                              * len(sources), 4 * width * rows, device, resident)
+    partials = _empty((rows * programs * width + programs * has_gate,), dtype=torch.float32, device=device)
+    kernels.route_site_bwd_kernel[(programs,)](*arguments(partials), **constexprs)
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
     params += (q2, g2) if second is not None else ()
@@ -982,19 +1030,24 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     few = not flags["HAS_GATE"] and len(sources) <= FEW_SOURCES
     launch = _kernel_args("site_few" if few else "site", width, num_heads)
     rows = 2 + flags["HAS_NULL"]
-    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
-                              * len(sources), 4 * width * rows, device, count)
     total = _per_read(count, (tokens, num_heads), device)
     gq = _per_read(count, (width + 1,), device)
     terms = _per_read(count, (len(sources), 2, tokens, num_heads), device)
-    partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
     null, query, key_norm_weight, gate = _stand_ins(head)
-    kernels.route_site_bwd_kernel[(count * programs,)](
-        table, _read_table(reads, grad_outs, device), first, null, query, key_norm_weight, gate, lse, grad_outs[0],
-        grad_outs[0], total, gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
-        len(sources), len(sources), count, tokens, eps, HAS_SECOND=False, TOTAL_FROM_OUT=False,
-        IN_PLACE=_stores_in_place(launch, False), **flags, **launch,
-    )
+    read_table = _read_table(reads, grad_outs, device)
+
+    def arguments(partials):
+        return (table, read_table, first, null, query, key_norm_weight, gate, lse, grad_outs[0], grad_outs[0], total,
+                gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
+                len(sources), len(sources), count, tokens, eps)
+
+    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False), **flags,
+                      **launch)
+    resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
+    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
+                              * len(sources), 4 * width * rows, device, resident, count)
+    partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
+    kernels.route_site_bwd_kernel[(count * programs,)](*arguments(partials), **constexprs)
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps)
                for r, dout in enumerate(grad_outs)]
