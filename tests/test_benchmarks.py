@@ -2,6 +2,8 @@
 
 import json
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from mhar_hf import MHARForCausalLM
-from mhar_hf.ops.routing import fused
+from mhar_hf.ops.routing import fused, fused_route, kernels
 from mhar_hf.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -168,3 +170,47 @@ def test_own_memory_takes_what_earlier_configurations_held_off_the_peak():
     assert own_memory(figures, held=2**30 * 3 // 4) == {"step_ms": 40.0, "tokens_per_s": 51200,
                                                          "peak_mem_gib": 14.77, "held_gib": 0.75}
     assert own_memory(figures, held=0)["peak_mem_gib"] == 15.52
+
+
+def test_ab_kernels_launches_a_revisions_kernels_then_this_trees(tmp_path, monkeypatch):
+    """ab_kernels: inside kernels_of, the fused op launches kernels.py as a git revision holds it
+    (a spy on that module's forward kernel sees the launch; same source, same output bits), and
+    this tree's kernels come back after the block, after an error too; a revision git cannot
+    show is a clear error."""
+    import ab_kernels
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    (repo / ab_kernels.KERNELS).parent.mkdir(parents=True)
+    shutil.copy(kernels.__file__, repo / ab_kernels.KERNELS)
+    for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"]):
+        subprocess.run(["git", "-C", str(repo), *command], check=True, capture_output=True)
+    base = ab_kernels.base_kernels("HEAD", tmp_path, repo)
+    assert base is not kernels
+
+    launches = []
+    forward = base.route_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return forward[grid]
+
+        def __getattr__(self, name):
+            return getattr(forward, name)
+
+    monkeypatch.setattr(base, "route_fwd_kernel", Spy())
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1, 5, 64, generator=generator) for _ in range(3)]
+    query, norm_weight = torch.randn(64, generator=generator), 1 + torch.rand(64, generator=generator)
+    expected = fused_route(sources, query, norm_weight, 4, 1e-6)
+    with ab_kernels.kernels_of(base):
+        out = fused_route(sources, query, norm_weight, 4, 1e-6)
+    assert launches and torch.equal(out, expected)
+    assert fused.kernels is kernels
+    with pytest.raises(RuntimeError, match="inside"), ab_kernels.kernels_of(base):
+        raise RuntimeError("inside")
+    assert fused.kernels is kernels
+    with pytest.raises(SystemExit, match="--base no-such-revision: git cannot show"):
+        ab_kernels.base_kernels("no-such-revision", tmp_path, repo)
