@@ -716,22 +716,18 @@ def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, 
 def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
     """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
     <x_h, (g*q)_h> and P = <dout_h, x_h>. The norm term's sum stays per head ([BLOCK_T, H_PAD]):
-    summed over the heads in the loop, it took a reduction across lanes per read. The row sums
-    are two explicit fused multiply-adds per element, the g*q term's first: written as
-    `acc += w dout + dlogit rstd gq` the compiler made four instructions of them (a multiply, a
-    multiply-add and two adds; an earlier rewrite as two `+=` kept three). sm90 build, Triton 3.6,
-    loop instructions per read, alone / with a partner: 350M 526 / 876 to 462 / 711 (the partner
-    launch's spill 80 to 16 bytes), 1B 329 / 497 to 284 / 416. As many programs fit a
-    multiprocessor as before, one more at 350M alone (168 to 138 registers: 6 to 7), one fewer
-    for the 1B launch from a partial (168 to 209: 3 to 2). The dout term first spilled nothing at
-    350M but took the 1B partner launch from 178 registers to 225 (5 programs to 4). NOT YET TIMED
-    on a GPU: no GPU came after this change (BENCHMARKS.md)."""
+    summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
+    multiply-adds per element ran slower on the H200, full 350M 2.46 to 2.74 ms, though in the
+    sm90 build of Triton 3.6 they are a fifth fewer instructions per read: 350M with a partner 876
+    to 696, its 80 bytes of spill gone. As written, a multiply and a multiply-add that do not wait
+    on each other come before the add; two multiply-adds in a row do, which likely costs more
+    than the instructions saved with 1-2 warps a program.)"""
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
     w3, dlogit_rstd = _per_head(w), _per_head(dlogit * rstd[:, None])
-    acc_lo = tl.fma(w3, dout_lo, tl.fma(dlogit_rstd, _as_row(gq_lo), acc_lo))
-    acc_hi = tl.fma(w3, dout_hi, tl.fma(dlogit_rstd, _as_row(gq_hi), acc_hi))
+    acc_lo += w3 * dout_lo + dlogit_rstd * _as_row(gq_lo)
+    acc_hi += w3 * dout_hi + dlogit_rstd * _as_row(gq_hi)
     return acc_lo, acc_hi, norm_sum + dlogit * dots
 
 
