@@ -719,9 +719,9 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
     summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
     multiply-adds per element ran slower on the H200, full 350M 2.46 to 2.74 ms, though in the
     sm90 build of Triton 3.6 they are a fifth fewer instructions per read: 350M with a partner 876
-    to 696, its 80 bytes of spill gone. As written, a multiply and a multiply-add that do not wait
-    on each other come before the add; two multiply-adds in a row do, which likely costs more
-    than the instructions saved with 1-2 warps a program.)"""
+    to 696, its 80 bytes of spill gone; why they ran slower is not known. Untimed since: the
+    kernels of that session differ from these, and `benchmarks/ab_kernels.py` times the two side
+    by side.)"""
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
