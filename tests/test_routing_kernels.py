@@ -865,6 +865,17 @@ def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch,
     assert fused._site_programs(100_000, 10**12, row, cpu, resident) == 2 * sms
 
 
+def test_resident_counts_are_kept_per_variant_triton_compiles():
+    """The resident-program counts are keyed as Triton tells its variants apart: by a tensor's
+    dtype and 16-byte alignment, and by an integer's being 1 or a multiple of 16."""
+    rows = torch.zeros(8, dtype=torch.bfloat16)
+    assert fused._specialized(rows) == fused._specialized(torch.ones(4, dtype=torch.bfloat16))
+    assert fused._specialized(rows) != fused._specialized(rows.float())
+    assert fused._specialized(rows) != fused._specialized(rows[1:])  # 2 bytes past an aligned start
+    assert len({fused._specialized(n) for n in (1, 16, 32, 17, 3)}) == 3
+    assert fused._specialized(1e-6) == fused._specialized(0.5)
+
+
 @pytest.mark.parametrize("registers, warps, shared, fitting", [
     (168, 2, 0, 6),  # 168 x 32 = 21 blocks of 256 per warp: 65536 // (2 x 5376) = 6
     (222, 2, 0, 4),  # 222 x 32 = 7104, 28 blocks (7168) a warp: 65536 // 14336 = 4

@@ -217,6 +217,16 @@ def _multiprocessor_limits(device: torch.device) -> dict:
 _RESIDENT: dict[tuple, int] = {}  # _resident_programs' counts, per kernel variant
 
 
+def _specialized(arg):
+    """What Triton compiles a kernel variant for, of one argument: a tensor's dtype and 16-byte
+    alignment, an integer's being 1 or a multiple of 16, a float's type."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0
+    return type(arg)
+
+
 def _resident_programs(kernel, args: tuple, constexprs: dict, device: torch.device) -> int:
     """How many programs of the variant of `kernel` that these arguments launch one multiprocessor
     of `device` runs at once, from its compiled binary: Triton's warmup compiles the variant
@@ -225,8 +235,7 @@ def _resident_programs(kernel, args: tuple, constexprs: dict, device: torch.devi
     1 where nothing is compiled (the interpreter, or a CPU), where the count does not matter."""
     if _interpreted() or device.type != "cuda":
         return 1
-    key = (kernel, device, tuple(sorted(constexprs.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    key = (kernel, device, tuple(sorted(constexprs.items())), tuple(_specialized(a) for a in args))
     if key not in _RESIDENT:
         compiled = kernel.warmup(*args, grid=(1,), **constexprs)
         compiled._init_handles()  # loads the binary, which sets its register count (n_regs)
