@@ -87,6 +87,14 @@ SITE_PROGRAMS_MAX_PER_SM = None
 SITE_PARTIALS_SHARE = 8  # a read's partial sums at most 1 / this of its sources' bytes (_site_programs)
 GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
+# Whether a read with a 16-bit output gradient leaves its g*q in bf16 too, for the source kernel
+# to load (kernels._store_gq): half its bytes per read, where the source kernel loads 4 bytes of
+# g*q per column and per read against the output gradient's 2 (its two-row launches share them
+# between 2 rows). Its rounding (2^-9) is that of a bf16 query. NOT YET MEASURED: the source
+# kernels' launch sweeps fit a bound on bytes through L1 per element (four rows of a delta source
+# launch, 1 byte of g*q an element, against two: 11 % faster); `sweep_launch.py --constant
+# SOURCE_GQ_16BIT False True` measures it.
+SOURCE_GQ_16BIT = False
 
 
 def _interpreted() -> bool:
@@ -565,13 +573,14 @@ class ReadRecord:
     """What one read's backward leaves with each source it read (with the source's position
     among the read's sources), for the source kernel. `terms`: the read's dots and P per source
     (fp32 [sources, 2, T, H]), written by its site kernel (or, for a split pair's second read,
-    partly by its total kernel, the rest by the pair's site kernel)."""
+    partly by its total kernel, the rest by the pair's site kernel). `gq`: its g*q record
+    (`_gq_words`), which holds g*q in bf16 too where `gq16`."""
 
-    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
+    __slots__ = ("task", "dout", "lse", "total", "gq", "gq16", "terms", "eps", "addresses", "_terms_at")
 
-    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
+    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float, gq16: bool):
         self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
-        self.eps = eps
+        self.eps, self.gq16 = eps, gq16
         self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
         assert not any(a % ALIGNMENT for a in (*self.addresses, terms.data_ptr())), "kernels._address assumes it"
         self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
@@ -660,7 +669,8 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
         *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
         len(records), tokens, eps,
-        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,
+        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None,
+        GQ_16BIT=bool(records) and all(r.gq16 for r, _ in records), **launch,
     )
     if left is not None:
         done = {id(r) for r, _ in records}
@@ -724,8 +734,9 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
     rows = len(params) + 2 * (second is not None)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
-    gq = _empty((width + 1,), dtype=torch.float32, device=device)
+    gq = _empty((_gq_words(width),), dtype=torch.float32, device=device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
+    gq16 = _gq_copy(grad_out)
 
     def arguments(partials):
         return (table, table, first, null_source if has_null else query, query, key_norm_weight,
@@ -735,13 +746,14 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
                 num_sources, len(sources), 1, tokens, eps)
 
     constexprs = dict(HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-                      TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None), **launch)
+                      TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None),
+                      GQ_16BIT=gq16, **launch)
     resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
     programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
                               * len(sources), 4 * width * rows, device, resident)
     partials = _empty((rows * programs * width + programs * has_gate,), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(programs,)](*arguments(partials), **constexprs)
-    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
+    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps, gq16)
 
     params += (q2, g2) if second is not None else ()
     grads, dgates = _sum_partials(partials, programs, width, params, [gate] if has_gate else [])
@@ -774,11 +786,11 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
-    gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
+    gq = _empty((_gq_words(width),), dtype=torch.float32, device=out.device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
-        **launch,
+        GQ_16BIT=_gq_copy(grad_out), **launch,
     )
     return total, gq, terms
 
@@ -884,7 +896,7 @@ class FusedRouteEnd(torch.autograd.Function):
         total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
                                           ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
-        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
+        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps, _gq_copy(grad_out))
         _leave(ctx.marks, record)
         ctx.pair.second = record
         return (None,) * 9
@@ -1005,6 +1017,17 @@ def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
     return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
 
 
+def _gq_words(width: int) -> int:
+    """fp32 words of a read's g*q record (kernels._gq_words): g*q and its scale, then room for
+    g*q in bf16."""
+    return triton.cdiv(width + 1, 4) * 4 + triton.cdiv(width, 8) * 4
+
+
+def _gq_copy(grad_out: torch.Tensor) -> bool:
+    """Whether a read leaves its g*q in bf16 too (SOURCE_GQ_16BIT)."""
+    return SOURCE_GQ_16BIT and grad_out.dtype in (torch.bfloat16, torch.float16)
+
+
 def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_stats, kept: int = 0):
     """The outputs of a group of reads and, if `store_stats`, their lse ([reads, T, H], one block
     per read), else None; rstd as `_forward`'s."""
@@ -1040,7 +1063,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     launch = _kernel_args("site_few" if few else "site", width, num_heads)
     rows = 2 + flags["HAS_NULL"]
     total = _per_read(count, (tokens, num_heads), device)
-    gq = _per_read(count, (width + 1,), device)
+    gq = _per_read(count, (_gq_words(width),), device)
     terms = _per_read(count, (len(sources), 2, tokens, num_heads), device)
     null, query, key_norm_weight, gate = _stand_ins(head)
     read_table = _read_table(reads, grad_outs, device)
@@ -1050,15 +1073,16 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
                 gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
                 len(sources), len(sources), count, tokens, eps)
 
-    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False), **flags,
-                      **launch)
+    gq16 = _gq_copy(grad_outs[0])
+    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False),
+                      GQ_16BIT=gq16, **flags, **launch)
     resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
     programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
                               * len(sources), 4 * width * rows, device, resident, count)
     partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
     kernels.route_site_bwd_kernel[(count * programs,)](*arguments(partials), **constexprs)
     task = torch._C._current_graph_task_id()
-    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps)
+    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps, gq16)
                for r, dout in enumerate(grad_outs)]
     params = [t for read in reads for t in read[:rows]]
     grads, dgates = _sum_partials(partials, programs, width, params,

@@ -260,6 +260,33 @@ def _read_stride(numel):
 
 
 @triton.jit
+def _gq_words(D: tl.constexpr):
+    """fp32 words of a read's g*q record (fused._gq_words): g*q and its scale (D + 1, to a
+    16-byte boundary), then room for g*q in bf16 (GQ_16BIT)."""
+    return _read_stride(D + 1) + (D + 7) // 8 * 4
+
+
+@triton.jit
+def _gq_in_bf16(gq_ptr, D: tl.constexpr):
+    """Where a g*q record holds g*q in bf16 (16-byte aligned: the record is, and so is its fp32 part)."""
+    return tl.multiple_of((gq_ptr + _read_stride(D + 1)).to(tl.pointer_type(tl.bfloat16)), 16)
+
+
+@triton.jit
+def _store_gq(gq_ptr, gq_lo, gq_hi, scale, col_lo, mask_lo, col_hi, mask_hi, D: tl.constexpr,
+              GQ_16BIT: tl.constexpr):
+    """A read's g*q record: g*q in fp32 and its scale, and with GQ_16BIT g*q again in bf16, which
+    the source kernel then loads (half the bytes per read of the output gradient's 2 a column)."""
+    tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
+    tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
+    tl.store(gq_ptr + D, scale)
+    if GQ_16BIT:
+        half = _gq_in_bf16(gq_ptr, D)
+        tl.store(half + col_lo, gq_lo.to(tl.bfloat16), mask=mask_lo)
+        tl.store(half + col_hi, gq_hi.to(tl.bfloat16), mask=mask_hi)
+
+
+@triton.jit
 def _group_read(reads, r, q_ptr, g_ptr, null_ptr, gate_ptr, last_ptr):
     """Read r's row of a group's read table (see READ_FIELDS): its parameters and its output
     (forward) or output gradient (backward)."""
@@ -455,11 +482,12 @@ def route_site_bwd_kernel(
     TOTAL_FROM_OUT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr, PTX: tl.constexpr,
+    IN_PLACE: tl.constexpr, GQ_16BIT: tl.constexpr, PTX: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
-    source kernel), g*q in fp32 followed by the read's scale, its gate or 1 (`gq`, D + 1 values,
-    so the source kernel never touches the parameters, which FSDP may have freed by then), and
+    source kernel), the g*q record (`gq`, _store_gq: g*q in fp32 followed by the read's scale, its
+    gate or 1, and with GQ_16BIT g*q in bf16, so the source kernel never touches the parameters,
+    which FSDP may have freed by then), and
     each program's partial sums of the query's, the key-norm weight's and the null source's
     gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]),
     which route_partials_kernel sums.
@@ -497,7 +525,7 @@ def route_site_bwd_kernel(
                                                                 dout_ptr)
         lse_ptr += read * _read_stride(T * H)
         total_ptr += read * _read_stride(T * H)
-        gq_ptr += read * _read_stride(D + 1)
+        gq_ptr += read * _gq_words(D)
         terms_ptr += read.to(tl.int64) * _read_stride(num_sources * 2 * T * H)
         gate_partials = partial_ptr + tl.cast(num_reads, tl.int64) * rows * programs * D + read * programs
         partial_ptr += read.to(tl.int64) * rows * programs * D
@@ -512,9 +540,7 @@ def route_site_bwd_kernel(
     else:
         scale = tl.full((), 1.0, tl.float32)
     if pid == 0:
-        tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
-        tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
-        tl.store(gq_ptr + D, scale)
+        _store_gq(gq_ptr, gq_lo, gq_hi, scale, *cols, D, GQ_16BIT)
     dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     dkey_lo, dkey_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)
     dnull_lo, dnull_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)  # with a null source, first sum_t w dout (see below)
@@ -662,11 +688,12 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
 def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+    GQ_16BIT: tl.constexpr, PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
-    site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), g*q in fp32
-    followed by its scale, 1 (see route_site_bwd_kernel), and the terms of its sources from
+    site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), its g*q record,
+    scale 1 (see route_site_bwd_kernel), and the terms of its sources from
     `first` on: those whose source kernels may run before the pair's site kernel writes the
     others (the sources the first read does not take, and the partner of the earliest)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -685,21 +712,23 @@ def route_total_kernel(
         dots = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi))
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
-        tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
-        tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
-        tl.store(gq_ptr + D, 1.0)
+        _store_gq(gq_ptr, gq_lo, gq_hi, 1.0, *cols, D, GQ_16BIT)
 
 
 @triton.jit
 def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in_range, stat_offs, stat_mask,
-                 col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr):
-    """Row k of the reader table: that read's output gradient rows, lse, S, g*q and scale."""
+                 col_lo, mask_lo, col_hi, mask_hi, GQ_16BIT: tl.constexpr, PTX: tl.constexpr):
+    """Row k of the reader table: that read's output gradient rows, lse, S, g*q (its bf16 copy
+    with GQ_16BIT) and scale."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, PTX, 6, 0)
     lse = tl.load(_address(readers, k, stat0_ptr, 6, 1) + stat_offs, mask=stat_mask, other=float("inf"))
     total = tl.load(_address(readers, k, stat0_ptr, 6, 2) + stat_offs, mask=stat_mask, other=0.0)
     gq_ptr = _address(readers, k, stat0_ptr, 6, 3)
-    gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
+    if GQ_16BIT:
+        gq_lo, gq_hi = _load_vector(_gq_in_bf16(gq_ptr, D), *cols)
+    else:
+        gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
     scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
     return dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale
 
@@ -736,14 +765,15 @@ def route_source_bwd_kernel(
     src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
     partner_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
     num_readers, T, eps,
-    HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr, GQ_16BIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     PTX: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 6] address table: per
-    read, its output gradient, lse, S (fp32 [T, H]), g*q (fp32 [D]) followed by its scale, and
+    read, its output gradient, lse, S (fp32 [T, H]), its g*q record (g*q, fp32 or with GQ_16BIT the
+    bf16 copy, and its scale), and
     its terms (dots and P, fp32 [2, T, H], from its site or total kernel) for this source and
     for the partner: the pass over output gradients makes no reduction over the width, and
     needs the source's rows only for their rstd, before it, and the norm term, after it.
@@ -779,7 +809,8 @@ def route_source_bwd_kernel(
         y_acc_lo, y_acc_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         y_norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
-        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows, PTX)
+        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows,
+                                                                         GQ_16BIT, PTX)
         dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
         acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
                                                  acc_lo, acc_hi, norm_sum)
