@@ -276,7 +276,7 @@ def _gq_in_bf16(gq_ptr, D: tl.constexpr):
 def _store_gq(gq_ptr, gq_lo, gq_hi, scale, col_lo, mask_lo, col_hi, mask_hi, D: tl.constexpr,
               GQ_16BIT: tl.constexpr):
     """A read's g*q record: g*q in fp32 and its scale, and with GQ_16BIT g*q again in bf16, which
-    the source kernel then loads (half the bytes per read of the output gradient's 2 a column)."""
+    the source kernel then loads instead (2 bytes a column per read, not 4)."""
     tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
     tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
     tl.store(gq_ptr + D, scale)
@@ -487,10 +487,9 @@ def route_site_bwd_kernel(
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
     source kernel), the g*q record (`gq`, _store_gq: g*q in fp32 followed by the read's scale, its
     gate or 1, and with GQ_16BIT g*q in bf16, so the source kernel never touches the parameters,
-    which FSDP may have freed by then), and
-    each program's partial sums of the query's, the key-norm weight's and the null source's
-    gradients: rows 0, 1, 2 of `partial_ptr`, each [programs, D], then the gate's ([programs]),
-    which route_partials_kernel sums.
+    which FSDP may have freed by then), and each program's partial sums of the query's, the
+    key-norm weight's and the null source's gradients: rows 0, 1, 2 of `partial_ptr`, each
+    [programs, D], then the gate's ([programs]), which route_partials_kernel sums.
     Per source it also writes the read's terms (`terms`, fp32 [sources, 2, T, H]: the dots
     <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
     reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
