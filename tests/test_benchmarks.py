@@ -214,3 +214,15 @@ def test_ab_kernels_launches_a_revisions_kernels_then_this_trees(tmp_path, monke
     assert fused.kernels is kernels
     with pytest.raises(SystemExit, match="--base no-such-revision: git cannot show"):
         ab_kernels.base_kernels("no-such-revision", tmp_path, repo)
+
+
+def test_release_frees_the_cublas_workspaces_before_the_cache(monkeypatch):
+    """bench_train.release: cuBLAS's per-stream workspaces, which empty_cache leaves allocated, are
+    cleared first, so that the cache can hand their memory back."""
+    import bench_train
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cache"))
+    bench_train.release()
+    assert calls == ["workspaces", "cache"]
