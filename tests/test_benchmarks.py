@@ -184,7 +184,8 @@ def test_ab_kernels_launches_a_revisions_kernels_then_this_trees(tmp_path, monke
     repo = tmp_path / "repo"
     (repo / ab_kernels.KERNELS).parent.mkdir(parents=True)
     shutil.copy(kernels.__file__, repo / ab_kernels.KERNELS)
-    for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"]):
+    commit = ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"]
+    for command in (["init", "-q"], ["add", "."], commit):
         subprocess.run(["git", "-C", str(repo), *command], check=True, capture_output=True)
     base = ab_kernels.base_kernels("HEAD", tmp_path, repo)
     assert base is not kernels

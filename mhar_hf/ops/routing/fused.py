@@ -748,11 +748,7 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     constexprs = dict(HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
                       TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None),
                       GQ_16BIT=gq16, **launch)
-    resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
-    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
-                              * len(sources), 4 * width * rows, device, resident)
-    partials = _empty((rows * programs * width + programs * has_gate,), dtype=torch.float32, device=device)
-    kernels.route_site_bwd_kernel[(programs,)](*arguments(partials), **constexprs)
+    programs, partials = _launch_site(arguments, constexprs, sources, rows, has_gate, total)
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps, gq16)
 
     params += (q2, g2) if second is not None else ()
@@ -760,6 +756,24 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     second_grads = (grads.pop(), grads.pop())[::-1] if second is not None else None
     dnull = grads[2] if has_null else None
     return (grads[0], grads[1], dnull, dgates[0] if has_gate else None), record, second_grads
+
+
+def _launch_site(arguments, constexprs: dict, sources, rows: int, gated: bool, stand_in: torch.Tensor,
+                 reads: int = 1) -> tuple[int, torch.Tensor]:
+    """Launch the site kernel for `reads` reads of `sources`, `arguments(partials)` its arguments
+    and `rows` the parameter rows of partial sums per read: its programs per read
+    (_site_programs, bounded by how many of the launch's variant one multiprocessor holds,
+    counted with `stand_in`, an fp32 tensor, for the partials not yet made) and the partial sums
+    they write ([reads, rows, programs, D], then with `gated` the gates' [reads, programs])."""
+    first = sources[0]
+    width, device = first.shape[-1], first.device
+    resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(stand_in), constexprs, device)
+    token_blocks = triton.cdiv(first.numel() // width, constexprs["BLOCK_T"])
+    programs = _site_programs(token_blocks, first.numel() * first.element_size() * len(sources), 4 * width * rows,
+                              device, resident, reads)
+    partials = _empty((reads * programs * (rows * width + gated),), dtype=torch.float32, device=device)
+    kernels.route_site_bwd_kernel[(reads * programs,)](*arguments(partials), **constexprs)
+    return programs, partials
 
 
 def _sum_partials(partials, programs: int, width: int, params, gates, tile: str = "read"):
@@ -780,19 +794,21 @@ def _sum_partials(partials, programs: int, width: int, params, gates, tile: str 
 
 
 def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
-    """S, g*q and the terms of the sources from `first` on, of a split pair's second read, from
-    its output (route_total_kernel); the pair's site kernel writes every source's terms later."""
+    """S, the g*q record and the terms of the sources from `first` on, of a split pair's second
+    read, from its output (route_total_kernel), and whether the record holds g*q in bf16; the
+    pair's site kernel writes every source's terms later."""
     width = out.shape[-1]
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
     gq = _empty((_gq_words(width),), dtype=torch.float32, device=out.device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
+    gq16 = _gq_copy(grad_out)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
-        GQ_16BIT=_gq_copy(grad_out), **launch,
+        GQ_16BIT=gq16, **launch,
     )
-    return total, gq, terms
+    return total, gq, terms, gq16
 
 
 class _Pair:
@@ -893,10 +909,10 @@ class FusedRouteEnd(torch.autograd.Function):
         (grad_out,) = _aligned((grad_out,))
         # the terms of the sources whose source kernels may run before the pair's site kernel: those
         # the first read does not take, and the partner of the earliest (the first read's last)
-        total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
-                                          ctx.pair.table, max(ctx.begun - 1, 0))
+        total, gq, terms, gq16 = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads,
+                                                ctx.pair.sources, ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
-        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps, _gq_copy(grad_out))
+        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps, gq16)
         _leave(ctx.marks, record)
         ctx.pair.second = record
         return (None,) * 9
@@ -1076,11 +1092,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     gq16 = _gq_copy(grad_outs[0])
     constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False),
                       GQ_16BIT=gq16, **flags, **launch)
-    resident = _resident_programs(kernels.route_site_bwd_kernel, arguments(total), constexprs, device)
-    programs = _site_programs(triton.cdiv(tokens, launch["BLOCK_T"]), first.numel() * first.element_size()
-                              * len(sources), 4 * width * rows, device, resident, count)
-    partials = _empty((count * programs * (rows * width + flags["HAS_GATE"]),), dtype=torch.float32, device=device)
-    kernels.route_site_bwd_kernel[(count * programs,)](*arguments(partials), **constexprs)
+    programs, partials = _launch_site(arguments, constexprs, sources, rows, flags["HAS_GATE"], total, count)
     task = torch._C._current_graph_task_id()
     records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps, gq16)
                for r, dout in enumerate(grad_outs)]
