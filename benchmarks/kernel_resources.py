@@ -46,11 +46,10 @@ VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a trainin
     ("site_few", "whole", kernels.route_site_bwd_kernel, dict(TOTAL_FROM_OUT=True)),
     ("source", "alone", kernels.route_source_bwd_kernel, {}),
     ("source_paired", "with a partner", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True)),
-    ("source_paired", "g*q in bf16", kernels.route_source_bwd_kernel, dict(HAS_PARTNER=True, GQ_16BIT=True)),
     ("source", "from a partial", kernels.route_source_bwd_kernel, dict(HAS_INIT=True)),
 ]
 FLAGS = ("HAS_NULL", "HAS_GATE", "STORE_STATS", "HAS_INIT", "HAS_SECOND", "HAS_GRAD_IN", "HAS_PARTNER", "GROUPED",
-         "TOTAL_FROM_OUT", "GQ_16BIT")
+         "TOTAL_FROM_OUT")
 
 
 def cuobjdump() -> str:

@@ -775,50 +775,6 @@ def test_model_gradients_match_the_fp64_reference_model(monkeypatch, total_from_
         assert rel_rms(p.grad, expected[name].grad) < 1e-4, name
 
 
-@pytest.mark.parametrize("mode", ["full", "delta"])
-def test_gq_in_bf16_reaches_every_source_launch_of_a_bf16_model(monkeypatch, mode):
-    """fused.SOURCE_GQ_16BIT: in a bf16 model every read leaves its g*q in bf16 too (full mode's
-    split pairs through their site and total kernels, delta mode's groups through theirs), every
-    source launch that sums reads loads it, and each parameter's gradient is the one with g*q in
-    fp32 up to that rounding, compounded through a bf16 model's backward (an unwritten copy would
-    be NaN: outputs start as NaN)."""
-    from mhar_hf import MHARForCausalLM
-
-    launches = []  # per source launch: (reads it sums, GQ_16BIT)
-    kernel = fused.kernels.route_source_bwd_kernel
-
-    class Spy(LaunchSpy):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((args[11], kwargs["GQ_16BIT"]))
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(fused.kernels, "route_source_bwd_kernel", Spy(kernel))
-    config = tiny_config(residual_mode=mode, routing_implementation="fused")
-    model = MHARForCausalLM(config).to(DEVICE, torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # queries and gates start at zero: g*q would be exact in bf16, or unused
-        for name, p in model.named_parameters():
-            if name.endswith(("query", "key_norm_weight", "null_source", "gate")):
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.5 + name.endswith("key_norm_weight"))
-    ids = torch.randint(0, config.vocab_size, (2, 7), generator=generator).to(DEVICE)
-    grads = {}
-    for in_bf16 in (False, True):
-        monkeypatch.setattr(fused, "SOURCE_GQ_16BIT", in_bf16)
-        launches.clear()
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        assert any(reads for reads, _ in launches)
-        assert all(flag == (in_bf16 and reads > 0) for reads, flag in launches), launches
-        grads[in_bf16] = {name: p.grad.float() for name, p in model.named_parameters()}
-    for name, grad in grads[True].items():
-        assert torch.isfinite(grad).all(), name
-        assert rel_rms(grad, grads[False][name]) < 3 * TOLERANCE[torch.bfloat16], name
-    assert any(not torch.equal(grad, grads[False][name]) for name, grad in grads[True].items())  # the copy is read
-
-
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
 def test_a_dropped_step_frees_every_depth_source(mode):
     """Nothing the fused reads keep (tables, split pairs, marks) may hold a step's autograd graph

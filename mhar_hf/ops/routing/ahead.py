@@ -26,12 +26,11 @@ ARGUMENT_TYPES = dict(
 def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps: int, stages: int = 3,
                    split: int = 1, capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
-    (the HAS_* constexprs, and IN_PLACE and PTX, by default as on a GPU, and GQ_16BIT, by default
-    off; those it does not take are ignored), tile, launch shape and column blocks per head
-    (fused._split)."""
+    (the HAS_* constexprs, and IN_PLACE and PTX, by default as on a GPU; those it does not take
+    are ignored), tile, launch shape and column blocks per head (fused._split)."""
     block_p, block_d = PARTIALS_TILE["read"]
-    constants = {"IN_PLACE": True, "PTX": True, "GQ_16BIT": False, **flags, **_tile(width, heads), "SPLIT": split,
-                 "BLOCK_T": rows, "STAGES": stages, "BLOCK_P": block_p, "BLOCK_D": block_d}
+    constants = {"IN_PLACE": True, "PTX": True, **flags, **_tile(width, heads), "SPLIT": split, "BLOCK_T": rows,
+                 "STAGES": stages, "BLOCK_P": block_p, "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32),

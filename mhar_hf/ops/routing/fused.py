@@ -87,14 +87,6 @@ SITE_PROGRAMS_MAX_PER_SM = None
 SITE_PARTIALS_SHARE = 8  # a read's partial sums at most 1 / this of its sources' bytes (_site_programs)
 GROUP_FORWARD_PROGRAMS_PER_SM = 32  # a grouped forward's programs, all reads together (_group_forward_programs)
 INTERPRETER_ROWS = 16  # under the interpreter: few, large programs (a program costs host time there)
-# Whether a read with a 16-bit output gradient leaves its g*q in bf16 too, for the source kernel
-# to load (kernels._store_gq): half its bytes per read, where the source kernel loads 4 bytes of
-# g*q per column and per read against the output gradient's 2 (its two-row launches share them
-# between 2 rows). Its rounding (2^-9) is that of a bf16 query. NOT YET MEASURED: the source
-# kernels' launch sweeps fit a bound on bytes through L1 per element (four rows of a delta source
-# launch, 1 byte of g*q an element, against two: 11 % faster); `sweep_launch.py --constant
-# SOURCE_GQ_16BIT False True` measures it.
-SOURCE_GQ_16BIT = False
 
 
 def _interpreted() -> bool:
@@ -573,14 +565,13 @@ class ReadRecord:
     """What one read's backward leaves with each source it read (with the source's position
     among the read's sources), for the source kernel. `terms`: the read's dots and P per source
     (fp32 [sources, 2, T, H]), written by its site kernel (or, for a split pair's second read,
-    partly by its total kernel, the rest by the pair's site kernel). `gq`: its g*q record
-    (`_gq_words`), which holds g*q in bf16 too where `gq16`."""
+    partly by its total kernel, the rest by the pair's site kernel)."""
 
-    __slots__ = ("task", "dout", "lse", "total", "gq", "gq16", "terms", "eps", "addresses", "_terms_at")
+    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
 
-    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float, gq16: bool):
+    def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
         self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
-        self.eps, self.gq16 = eps, gq16
+        self.eps = eps
         self.addresses = _addresses((dout, lse, total, gq))  # a reader-table row starts with these
         assert not any(a % ALIGNMENT for a in (*self.addresses, terms.data_ptr())), "kernels._address assumes it"
         self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
@@ -669,8 +660,7 @@ def _source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial
         *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),
         len(records), tokens, eps,
-        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None,
-        GQ_16BIT=bool(records) and all(r.gq16 for r, _ in records), **launch,
+        HAS_GRAD_IN=grad_in is not None, HAS_PARTNER=left is not None, HAS_INIT=partial is not None, **launch,
     )
     if left is not None:
         done = {id(r) for r, _ in records}
@@ -734,9 +724,8 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
     params = (query, key_norm_weight, null_source) if has_null else (query, key_norm_weight)
     rows = len(params) + 2 * (second is not None)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=device)
-    gq = _empty((_gq_words(width),), dtype=torch.float32, device=device)
+    gq = _empty((width + 1,), dtype=torch.float32, device=device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=device)
-    gq16 = _gq_copy(grad_out)
 
     def arguments(partials):
         return (table, table, first, null_source if has_null else query, query, key_norm_weight,
@@ -747,9 +736,9 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
 
     constexprs = dict(HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
                       TOTAL_FROM_OUT=out is not None, IN_PLACE=_stores_in_place(launch, second is not None),
-                      GQ_16BIT=gq16, **launch)
+                      **launch)
     programs, partials = _launch_site(arguments, constexprs, sources, rows, has_gate, total)
-    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps, gq16)
+    record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
 
     params += (q2, g2) if second is not None else ()
     grads, dgates = _sum_partials(partials, programs, width, params, [gate] if has_gate else [])
@@ -801,14 +790,13 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)
     total = _empty((tokens, num_heads), dtype=torch.float32, device=out.device)
-    gq = _empty((_gq_words(width),), dtype=torch.float32, device=out.device)
+    gq = _empty((width + 1,), dtype=torch.float32, device=out.device)
     terms = _empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
-    gq16 = _gq_copy(grad_out)
     kernels.route_total_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
         grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
-        GQ_16BIT=gq16, **launch,
+        **launch,
     )
-    return total, gq, terms, gq16
+    return total, gq, terms
 
 
 class _Pair:
@@ -909,10 +897,10 @@ class FusedRouteEnd(torch.autograd.Function):
         (grad_out,) = _aligned((grad_out,))
         # the terms of the sources whose source kernels may run before the pair's site kernel: those
         # the first read does not take, and the partner of the earliest (the first read's last)
-        total, gq, terms, gq16 = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads,
-                                                ctx.pair.sources, ctx.pair.table, max(ctx.begun - 1, 0))
+        total, gq, terms = _record_totals(grad_out, out, query, key_norm_weight, ctx.num_heads, ctx.pair.sources,
+                                          ctx.pair.table, max(ctx.begun - 1, 0))
         task = torch._C._current_graph_task_id()
-        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps, gq16)
+        record = ReadRecord(task, grad_out, lse, total, gq, terms, ctx.eps)
         _leave(ctx.marks, record)
         ctx.pair.second = record
         return (None,) * 9
@@ -1033,17 +1021,6 @@ def _per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
     return _empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
 
 
-def _gq_words(width: int) -> int:
-    """fp32 words of a read's g*q record (kernels._gq_words): g*q and its scale, then room for
-    g*q in bf16."""
-    return triton.cdiv(width + 1, 4) * 4 + triton.cdiv(width, 8) * 4
-
-
-def _gq_copy(grad_out: torch.Tensor) -> bool:
-    """Whether a read leaves its g*q in bf16 too (SOURCE_GQ_16BIT)."""
-    return SOURCE_GQ_16BIT and grad_out.dtype in (torch.bfloat16, torch.float16)
-
-
 def _forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_stats, kept: int = 0):
     """The outputs of a group of reads and, if `store_stats`, their lse ([reads, T, H], one block
     per read), else None; rstd as `_forward`'s."""
@@ -1079,7 +1056,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     launch = _kernel_args("site_few" if few else "site", width, num_heads)
     rows = 2 + flags["HAS_NULL"]
     total = _per_read(count, (tokens, num_heads), device)
-    gq = _per_read(count, (_gq_words(width),), device)
+    gq = _per_read(count, (width + 1,), device)
     terms = _per_read(count, (len(sources), 2, tokens, num_heads), device)
     null, query, key_norm_weight, gate = _stand_ins(head)
     read_table = _read_table(reads, grad_outs, device)
@@ -1089,12 +1066,11 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
                 gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
                 len(sources), len(sources), count, tokens, eps)
 
-    gq16 = _gq_copy(grad_outs[0])
-    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False),
-                      GQ_16BIT=gq16, **flags, **launch)
+    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=_stores_in_place(launch, False), **flags,
+                      **launch)
     programs, partials = _launch_site(arguments, constexprs, sources, rows, flags["HAS_GATE"], total, count)
     task = torch._C._current_graph_task_id()
-    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps, gq16)
+    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps)
                for r, dout in enumerate(grad_outs)]
     params = [t for read in reads for t in read[:rows]]
     grads, dgates = _sum_partials(partials, programs, width, params,

@@ -260,30 +260,11 @@ def _read_stride(numel):
 
 
 @triton.jit
-def _gq_words(D: tl.constexpr):
-    """fp32 words of a read's g*q record (fused._gq_words): g*q and its scale (D + 1, to a
-    16-byte boundary), then room for g*q in bf16 (GQ_16BIT)."""
-    return _read_stride(D + 1) + (D + 7) // 8 * 4
-
-
-@triton.jit
-def _gq_in_bf16(gq_ptr, D: tl.constexpr):
-    """Where a g*q record holds g*q in bf16 (16-byte aligned: the record is, and so is its fp32 part)."""
-    return tl.multiple_of((gq_ptr + _read_stride(D + 1)).to(tl.pointer_type(tl.bfloat16)), 16)
-
-
-@triton.jit
-def _store_gq(gq_ptr, gq_lo, gq_hi, scale, col_lo, mask_lo, col_hi, mask_hi, D: tl.constexpr,
-              GQ_16BIT: tl.constexpr):
-    """A read's g*q record: g*q in fp32 and its scale, and with GQ_16BIT g*q again in bf16, which
-    the source kernel then loads instead (2 bytes a column per read, not 4)."""
+def _store_gq(gq_ptr, gq_lo, gq_hi, scale, col_lo, mask_lo, col_hi, mask_hi, D: tl.constexpr):
+    """A read's g*q record, for the source kernel: g*q in fp32 followed by the read's scale."""
     tl.store(gq_ptr + col_lo, gq_lo, mask=mask_lo)
     tl.store(gq_ptr + col_hi, gq_hi, mask=mask_hi)
     tl.store(gq_ptr + D, scale)
-    if GQ_16BIT:
-        half = _gq_in_bf16(gq_ptr, D)
-        tl.store(half + col_lo, gq_lo.to(tl.bfloat16), mask=mask_lo)
-        tl.store(half + col_hi, gq_hi.to(tl.bfloat16), mask=mask_hi)
 
 
 @triton.jit
@@ -482,14 +463,13 @@ def route_site_bwd_kernel(
     TOTAL_FROM_OUT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-    IN_PLACE: tl.constexpr, GQ_16BIT: tl.constexpr, PTX: tl.constexpr,
+    IN_PLACE: tl.constexpr, PTX: tl.constexpr,
 ):
     """The backward of one read, up to the source gradients: S_h per token (`total`, for the
-    source kernel), the g*q record (`gq`, _store_gq: g*q in fp32 followed by the read's scale, its
-    gate or 1, and with GQ_16BIT g*q in bf16, so the source kernel never touches the parameters,
-    which FSDP may have freed by then), and each program's partial sums of the query's, the
-    key-norm weight's and the null source's gradients: rows 0, 1, 2 of `partial_ptr`, each
-    [programs, D], then the gate's ([programs]), which route_partials_kernel sums.
+    source kernel), its g*q record (`gq`, _store_gq, so the source kernel never touches the
+    parameters, which FSDP may have freed by then), and each program's partial sums of the
+    query's, the key-norm weight's and the null source's gradients: rows 0, 1, 2 of `partial_ptr`,
+    each [programs, D], then the gate's ([programs]), which route_partials_kernel sums.
     Per source it also writes the read's terms (`terms`, fp32 [sources, 2, T, H]: the dots
     <x_h, (g*q)_h> and P), so that the source kernel's pass over output gradients needs no
     reduction of its own. (With HAS_SECOND, for all `num_second` sources: the last is unused.)
@@ -524,7 +504,7 @@ def route_site_bwd_kernel(
                                                                 dout_ptr)
         lse_ptr += read * _read_stride(T * H)
         total_ptr += read * _read_stride(T * H)
-        gq_ptr += read * _gq_words(D)
+        gq_ptr += read * _read_stride(D + 1)
         terms_ptr += read.to(tl.int64) * _read_stride(num_sources * 2 * T * H)
         gate_partials = partial_ptr + tl.cast(num_reads, tl.int64) * rows * programs * D + read * programs
         partial_ptr += read.to(tl.int64) * rows * programs * D
@@ -539,7 +519,7 @@ def route_site_bwd_kernel(
     else:
         scale = tl.full((), 1.0, tl.float32)
     if pid == 0:
-        _store_gq(gq_ptr, gq_lo, gq_hi, scale, *cols, D, GQ_16BIT)
+        _store_gq(gq_ptr, gq_lo, gq_hi, scale, *cols, D)
     dgate = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     dkey_lo, dkey_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)
     dnull_lo, dnull_hi = tl.zeros_like(gq_lo), tl.zeros_like(gq_hi)  # with a null source, first sum_t w dout (see below)
@@ -688,7 +668,7 @@ def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-    GQ_16BIT: tl.constexpr, PTX: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
     site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), its g*q record,
@@ -711,23 +691,19 @@ def route_total_kernel(
         dots = _head_dots(x_lo, x_hi, _as_row(gq_lo), _as_row(gq_hi))
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
-        _store_gq(gq_ptr, gq_lo, gq_hi, 1.0, *cols, D, GQ_16BIT)
+        _store_gq(gq_ptr, gq_lo, gq_hi, 1.0, *cols, D)
 
 
 @triton.jit
 def _load_reader(readers, k, dout0_ptr, stat0_ptr, D: tl.constexpr, row_offs, in_range, stat_offs, stat_mask,
-                 col_lo, mask_lo, col_hi, mask_hi, GQ_16BIT: tl.constexpr, PTX: tl.constexpr):
-    """Row k of the reader table: that read's output gradient rows, lse, S, g*q (its bf16 copy
-    with GQ_16BIT) and scale."""
+                 col_lo, mask_lo, col_hi, mask_hi, PTX: tl.constexpr):
+    """Row k of the reader table: that read's output gradient rows, lse, S, g*q and scale."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     dout_lo, dout_hi = _load_source_rows(readers, k, dout0_ptr, row_offs, in_range, *cols, PTX, 6, 0)
     lse = tl.load(_address(readers, k, stat0_ptr, 6, 1) + stat_offs, mask=stat_mask, other=float("inf"))
     total = tl.load(_address(readers, k, stat0_ptr, 6, 2) + stat_offs, mask=stat_mask, other=0.0)
     gq_ptr = _address(readers, k, stat0_ptr, 6, 3)
-    if GQ_16BIT:
-        gq_lo, gq_hi = _load_vector(_gq_in_bf16(gq_ptr, D), *cols)
-    else:
-        gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
+    gq_lo, gq_hi = _load_vector(gq_ptr, *cols)
     scale = tl.load(gq_ptr + D)  # the read's gate (1 without one): it scales every term
     return dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale
 
@@ -745,11 +721,9 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
     """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
     <x_h, (g*q)_h> and P = <dout_h, x_h>. The norm term's sum stays per head ([BLOCK_T, H_PAD]):
     summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
-    multiply-adds per element ran slower on the H200, full 350M 2.46 to 2.74 ms, though in the
-    sm90 build of Triton 3.6 they are a fifth fewer instructions per read: 350M with a partner 876
-    to 696, its 80 bytes of spill gone; why they ran slower is not known. Untimed since: the
-    kernels of that session differ from these, and `benchmarks/ab_kernels.py` times the two side
-    by side.)"""
+    fused multiply-adds per element, g*q's first, are a fifth fewer instructions per read in the
+    sm90 build of Triton 3.6, yet ran slower: `ab_kernels.py --on-step` on an H100, source kernel
+    ms per full step 2.82 to 2.80 at 350M but 3.57 to 4.03 at 1B, step 0.794 to 0.787 x plain.)"""
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
@@ -764,15 +738,14 @@ def route_source_bwd_kernel(
     src_ptr, readers, dout0_ptr, stat0_ptr, grad_in_ptr, dsrc_ptr,
     partner_ptr, partner_acc_ptr, partner_norm_ptr, init_acc_ptr, init_norm_ptr,
     num_readers, T, eps,
-    HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr, GQ_16BIT: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr, HAS_PARTNER: tl.constexpr, HAS_INIT: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     PTX: tl.constexpr,
 ):
     """The whole gradient of one source: its terms from every read of it, plus `grad_in` (what
     reached it other than through reads). `readers` is a [num_readers, 6] address table: per
-    read, its output gradient, lse, S (fp32 [T, H]), its g*q record (g*q, fp32 or with GQ_16BIT the
-    bf16 copy, and its scale), and
+    read, its output gradient, lse, S (fp32 [T, H]), its g*q record (g*q and scale, _store_gq), and
     its terms (dots and P, fp32 [2, T, H], from its site or total kernel) for this source and
     for the partner: the pass over output gradients makes no reduction over the width, and
     needs the source's rows only for their rstd, before it, and the norm term, after it.
@@ -809,7 +782,7 @@ def route_source_bwd_kernel(
         y_norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
         dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows,
-                                                                         GQ_16BIT, PTX)
+                                                                         PTX)
         dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
         acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
                                                  acc_lo, acc_hi, norm_sum)
