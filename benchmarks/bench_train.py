@@ -386,6 +386,8 @@ def markdown(report: dict) -> str:
             f"| {r['preset']} | {model} | {r['path']} | {r['tokens_per_s']:,} | {r.get('ratio_vs_baseline', '')} "
             f"| {r['peak_mem_gib']} | {r.get('mem_ratio_vs_baseline', '')} |"
         )
+    if not report["kernels"]:  # no `fused` path ran
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "Routing kernels, one training step's reads (fused op, sources marked as the model marks them): "

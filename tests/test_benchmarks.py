@@ -227,3 +227,23 @@ def test_release_frees_the_cublas_workspaces_before_the_cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cache"))
     bench_train.release()
     assert calls == ["workspaces", "cache"]
+
+
+def test_markdown_tables_routing_kernels_only_where_a_fused_path_ran():
+    """bench_train.markdown: one row per training configuration, and the routing-kernel table
+    only with kernel figures (a run of graph paths alone has none: no empty table)."""
+    from bench_train import markdown
+
+    report = {"date": "d", "gpu": "g", "commit": "c", "torch": "t", "triton": "tr", "copy_bandwidth_tb_s": 3.0,
+              "timed_steps": 8, "warmup_steps": 3, "kernels": [],
+              "training": [{"preset": "350M", "path": "compiled+graph", "tokens_per_s": 96804, "peak_mem_gib": 13.9},
+                           {"preset": "350M", "label": "delta", "path": "fused+graph", "tokens_per_s": 90974,
+                            "peak_mem_gib": 14.0, "ratio_vs_baseline": 0.94, "mem_ratio_vs_baseline": 1.004}]}
+    text = markdown(report)
+    assert "| 350M | delta | fused+graph | 90,974 | 0.94 | 14.0 | 1.004 |" in text
+    assert "Routing kernels" not in text and "% of floor" not in text
+    kernel = {"preset": "350M", "mode": "delta", "heads": 8, "sites": 48, "fwd_ms": 0.6, "fwd_floor_ms": 0.3,
+              "fwd_pct_of_floor": 50.0, "fwd_bwd_ms": 2.2, "fwd_bwd_floor_ms": 1.0, "fwd_bwd_pct_of_floor": 45.5,
+              "fwd_bwd_wall_ms": 2.5}
+    text = markdown({**report, "kernels": [kernel]})
+    assert "| 350M | delta | 8 | 48 | 0.6 | 0.3 | 50.0 | 2.2 | 1.0 | 45.5 | 2.5 |" in text
