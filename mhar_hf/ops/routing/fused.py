@@ -64,9 +64,9 @@ FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 COLUMN_BLOCKS = ("site", "site_few", "total")  # the launches whose low tile is in column blocks (_split)
 # An ungated read of at least this many sources takes S from its output in the site kernel
 # (TOTAL_FROM_OUT): 5-14 % fewer instructions per source in the sm90 build, for one more row loaded
-# per token block, which a read of few sources feels most. NOT YET MEASURED: at 8, the extra row
-# is about as large a share of the read's bytes (1/9 or less) as the instructions it saves
-# (`sweep_launch.py --constant TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000` measures it).
+# per token block, which a read of few sources feels most. H100, full mode, site + partials + total
+# kernels' ms per step's reads with 1 / 8 / no read taking it (`sweep_launch.py --constant
+# TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000`): 350M 3.289 / 3.272 / 3.398, 1B 4.022 / 4.018 / 3.999.
 TOTAL_FROM_OUT_MIN_SOURCES = 8
 # Whether a training read's forward loads the rstd that an earlier read computed for its leading
 # sources (`_source_rstd`), or sums every source's rstd from its rows as before (False: nothing is
