@@ -12,7 +12,8 @@ kernel's own GPU time in one step's reads (forward + backward), the other kernel
 `mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
 (`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
 the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
-speeds a kernel alone can slow the step). Prints milliseconds per choice, best first.
+speeds a kernel alone can slow the step). Prints each choice's milliseconds as it is measured,
+then per kernel all choices, best first.
 With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile,
 the launches in column blocks) is swept instead, and every routing kernel's time is printed per
 value.
@@ -149,10 +150,12 @@ def main():
                 fused.LAUNCH[kind] = choice
                 fused._kernel_args.cache_clear()
                 if args.on_step:
-                    timings.append((step_ms(preset, args.mode), choice))
-                    continue
-                figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
-                timings.append((figures["fwd_bwd_kernels_ms"][KERNEL[kind]], choice))
+                    ms = step_ms(preset, args.mode)
+                else:
+                    figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
+                    ms = figures["fwd_bwd_kernels_ms"][KERNEL[kind]]
+                print(f"{preset} {kind} {choice}: {ms:.3f} ms", flush=True)  # kept if a time limit cuts the sweep
+                timings.append((ms, choice))
             fused.LAUNCH[kind] = defaults[kind]
             fused._kernel_args.cache_clear()
             timings.sort()

@@ -105,6 +105,26 @@ def test_sweep_constant_relaunches_with_each_value_of_a_constant_that_shapes_lau
     assert fused._kernel_args("site", 512, 8)["SPLIT"] == 2
 
 
+def test_launch_sweep_prints_each_choice_as_it_is_measured(monkeypatch, capsys):
+    """sweep_launch.main: a line per choice as soon as it is timed (a time limit that cuts the
+    sweep keeps what was measured), then the kind's choices best first; LAUNCH restored."""
+    import sweep_launch
+
+    times = iter([3.0, 1.0])
+    monkeypatch.setattr(sweep_launch, "copy_bandwidth", lambda: 1.0)
+    monkeypatch.setattr(sweep_launch, "model_sites", lambda preset, mode: [(3, "group")])
+    monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: {
+        "fwd_bwd_kernels_ms": {"route_source_bwd_kernel": next(times)}})
+    monkeypatch.setattr(sys, "argv", ["sweep_launch.py", "--presets", "100M", "--mode", "delta", "--kinds", "source",
+                                      "--choices", "4,2048,3", "2,1024,3"])
+    default = fused.LAUNCH["source"]
+    sweep_launch.main()
+    assert capsys.readouterr().out.splitlines() == [
+        "100M source (4, 2048, 3): 3.000 ms", "100M source (2, 1024, 3): 1.000 ms",
+        "100M source: (2, 1024, 3) 1.000 ms, (4, 2048, 3) 3.000 ms"]
+    assert fused.LAUNCH["source"] == default
+
+
 def test_sweep_constant_rejects_bad_input_before_any_gpu_work():
     from sweep_launch import constant_error
 
