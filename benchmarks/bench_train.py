@@ -253,8 +253,8 @@ def routing_kernel_ms(fn, reps: int = 5) -> dict[str, float]:
 def release():
     """Free what a configuration leaves: its garbage, compiled graphs and cached blocks, and the
     cuBLAS workspaces. cuBLAS keeps one per stream it has run on (each captured step makes a
-    side stream), which `empty_cache` leaves allocated: likely the 0.06 GiB that every
-    configuration of a run used to add to what the next one found held (not yet seen on a GPU)."""
+    side stream), which `empty_cache` leaves allocated: the 0.06 GiB that every configuration of
+    a run used to add to what the next one found held (H100: held_gib 0.0 throughout since)."""
     gc.collect()
     torch._dynamo.reset()
     torch._C._cuda_clearCublasWorkspaces()

@@ -784,8 +784,8 @@ def _sum_partials(partials, programs: int, width: int, params, gates, tile: str 
 
 def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, table, first: int):
     """S, the g*q record and the terms of the sources from `first` on, of a split pair's second
-    read, from its output (route_total_kernel), and whether the record holds g*q in bf16; the
-    pair's site kernel writes every source's terms later."""
+    read, from its output (route_total_kernel); the pair's site kernel writes every source's terms
+    later."""
     width = out.shape[-1]
     tokens = out.numel() // width
     launch = _kernel_args("total", width, num_heads)

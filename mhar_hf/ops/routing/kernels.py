@@ -667,8 +667,7 @@ def route_partials_kernel(partials_ptr, out_ptr, dgate_ptr, programs, rows,
 def route_total_kernel(
     dout_ptr, out_ptr, q_ptr, g_ptr, total_ptr, gq_ptr, table, src0_ptr, terms_ptr, first, num_sources, T,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
-    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-    PTX: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
 ):
     """The record of the second read of a split pair, which its backward leaves before the pair's
     site kernel runs: S_h = <dout_h, out_h> (= sum_n w P, the out being the mix), its g*q record,
@@ -723,7 +722,7 @@ def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, sca
     summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
     fused multiply-adds per element, g*q's first, are a fifth fewer instructions per read in the
     sm90 build of Triton 3.6, yet ran slower: `ab_kernels.py --on-step` on an H100, source kernel
-    ms per full step 2.82 to 2.80 at 350M but 3.57 to 4.03 at 1B, step 0.794 to 0.787 x plain.)"""
+    ms per full step 2.82 to 2.80 at 350M but 3.57 to 4.03 at 1B, the 1B step 0.794 to 0.787 x plain.)"""
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
@@ -781,8 +780,7 @@ def route_source_bwd_kernel(
         y_acc_lo, y_acc_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
         y_norm_sum = tl.zeros([BLOCK_T, H_PAD], tl.float32)
     for k in tl.range(0, num_readers, num_stages=STAGES):
-        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows,
-                                                                         PTX)
+        dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale = _load_reader(readers, k, dout0_ptr, stat0_ptr, D, *rows, PTX)
         dots, p = _load_terms(readers, k, 4, stat0_ptr, T, H, stat_offs, stat_mask)
         acc_lo, acc_hi, norm_sum = _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale,
                                                  acc_lo, acc_hi, norm_sum)
