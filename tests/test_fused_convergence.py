@@ -4,6 +4,7 @@ fused gradients exact. On CPU the kernels run under the Triton interpreter."""
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -255,3 +256,35 @@ def test_training_step_captured_in_a_cuda_graph_matches_eager_steps(mode):
     assert eager_losses[-1] < eager_losses[0]  # the steps trained: a replay that did nothing would fail
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_captured_table_copies_wait_for_no_kernel(tmp_path):
+    """Under CUDA graph capture the address tables are copied on a side stream that joins the
+    capture once: in the graph, no copy after the first waits for a kernel (each one between two
+    kernels left the GPU idle), and every kernel that reads a table still waits for its copy."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    model = randomised(tiny_model("full", "fused")).train()
+    tokens = next(batches(1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as before any capture
+        model(tokens, labels=tokens).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    with torch.cuda.graph(graph):
+        model(tokens, labels=tokens).loss.backward()
+    graph.debug_dump(str(tmp_path / "graph.dot"))
+    dot = (tmp_path / "graph.dot").read_text()
+
+    nodes = re.findall(r'^\s*"?(\w+)"?\s*\[(.*?)\]\s*;?\s*$', dot, re.MULTILINE | re.DOTALL)
+    kinds = {name: "MEMCPY" if "MEMCPY" in label.upper() else "KERNEL" if "KERNEL" in label.upper() else "OTHER"
+             for name, label in nodes}
+    edges = re.findall(r'"?(\w+)"?\s*->\s*"?(\w+)"?', dot)
+    copies = [n for n, kind in kinds.items() if kind == "MEMCPY"]
+    assert len(copies) > 4, f"too few copy nodes found in the graph's dump; its format may have changed:\n{dot[:2000]}"
+    waits_for_kernel = {b for a, b in edges if kinds.get(a) == "KERNEL" and kinds.get(b) == "MEMCPY"}
+    assert len(waits_for_kernel) <= 1, f"{len(waits_for_kernel)} of {len(copies)} table copies wait for a kernel"
+    read_by_kernel = {a for a, b in edges if kinds.get(a) == "MEMCPY" and kinds.get(b) == "KERNEL"}
+    assert read_by_kernel, "no kernel waits for a table copy"
