@@ -341,8 +341,9 @@ class _CapturedUploads:
     """Table copies recorded into CUDA graphs, on a side stream that joins a capture at its first
     table and, from there on, waits only for its own earlier copies. A replay then runs the
     copies beside the kernels, not each one between the kernel before it and the kernel that
-    reads the table, where every copy left the GPU idle for several microseconds (about 0.3 ms of
-    a 1B full-mode step on an H100: `profile_step.py --graph`, "GPU idle ... ended by Memcpy").
+    reads the table, where every copy left the GPU idle for several microseconds: a full-mode
+    step on an H100 (fused+graph) took 55.5 ms with the copies in line and 55.05 with them aside
+    at 1B, 51.0 and 50.7 at 350M (BENCHMARKS.md, 2026-12-05, seventh session).
 
     Every replay reads the host side of a copy again, and the side stream's copies wait for no
     kernel that reads an earlier table: so both sides of every table are kept for the life of
