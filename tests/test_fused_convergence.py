@@ -260,8 +260,8 @@ def test_training_step_captured_in_a_cuda_graph_matches_eager_steps(mode):
 
 def test_captured_table_copies_wait_for_no_kernel(tmp_path):
     """Under CUDA graph capture the address tables are copied on a side stream that joins the
-    capture once: in the graph, no copy after the first waits for a kernel (each one between two
-    kernels left the GPU idle), and every kernel that reads a table still waits for its copy."""
+    capture once: in the graph, no host-to-device copy after the first waits for a kernel (each
+    one between two kernels left the GPU idle), and kernels still wait for the copies."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     model = randomised(tiny_model("full", "fused")).train()
