@@ -266,4 +266,26 @@ def test_markdown_tables_routing_kernels_only_where_a_fused_path_ran():
               "fwd_pct_of_floor": 50.0, "fwd_bwd_ms": 2.2, "fwd_bwd_floor_ms": 1.0, "fwd_bwd_pct_of_floor": 45.5,
               "fwd_bwd_wall_ms": 2.5}
     text = markdown({**report, "kernels": [kernel]})
-    assert "| 350M | delta | 8 | 48 | 0.6 | 0.3 | 50.0 | 2.2 | 1.0 | 45.5 | 2.5 |" in text
+    assert "| 350M | delta | 8 | 48 | 0.6 | 0.3 | 50.0 | 2.2 | 1.0 | 45.5 | 2.5 |  |" in text
+    text = markdown({**report, "kernels": [{**kernel, "ratio_at_floor": 0.966}]})
+    assert "| 350M | delta | 8 | 48 | 0.6 | 0.3 | 50.0 | 2.2 | 1.0 | 45.5 | 2.5 | 0.966 |" in text
+
+
+def test_ratio_at_floor_swaps_the_kernels_time_for_their_floor_in_the_fastest_fused_step():
+    """bench_train.ratio_at_floor: plain step time over (fastest fused step - kernels + floor), in
+    seconds per step from tokens/s; other variants and the reference paths are not its step."""
+    from bench_train import ratio_at_floor
+
+    tokens = 4096
+    kernel = {"preset": "350M", "mode": "block", "heads": 8, "tokens": tokens, "fwd_bwd_ms": 2.2,
+              "fwd_bwd_floor_ms": 1.0}
+    row = {"preset": "350M", "mode": "block", "heads": 8}
+    training = [{**row, "path": "fused", "tokens_per_s": 40000},
+                {**row, "path": "fused+graph", "tokens_per_s": 90974},
+                {**row, "path": "reference", "tokens_per_s": 95000},
+                {**row, "heads": 1, "path": "fused+graph", "tokens_per_s": 95000},
+                {**row, "path": "fused+graph", "status": "out of memory"}]
+    plain_ms, step_ms = tokens / 96804 * 1e3, tokens / 90974 * 1e3
+    expected = plain_ms / (step_ms - 2.2 + 1.0)
+    assert ratio_at_floor(kernel, training, {"tokens_per_s": 96804}) == round(expected, 3)
+    assert ratio_at_floor(kernel, training[2:4], {"tokens_per_s": 96804}) is None
