@@ -8,7 +8,9 @@ Both sides share this harness: the same preset shapes (DESIGN.md section 5), bf1
 fused AdamW, SDPA attention and the same regional torch.compile (each decoder layer for the
 plain model; each layer's attention and MLP sublayers around the routing op for MHAR, whose
 layers take a different number of sources each). The baseline is the plain Transformer's
-fastest configuration. Writes `train_throughput.json` and `train_throughput.md` to --out.
+fastest configuration. The kernel table also gives what each variant's step would reach with its
+routing kernels at their floor (`ratio_at_floor`). Writes `train_throughput.json` and
+`train_throughput.md` to --out.
 """
 
 from __future__ import annotations
