@@ -411,7 +411,7 @@ def markdown(report: dict) -> str:
         "GPU time of the kernels, and the wall time of forward + backward run alone:",
         "",
         "At floor: the x plain of the variant's fastest fused step with these kernels' forward + backward time "
-        "replaced by its floor (what the op's bytes allow, whatever the kernels do).",
+        "replaced by their floor (what the op's bytes allow, whatever the kernels do).",
         "",
         "| preset | mode | H | sites | fwd ms | floor ms | % of floor | fwd+bwd ms | floor ms | % of floor | wall ms "
         "| x plain at floor |",
