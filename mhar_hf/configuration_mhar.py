@@ -67,11 +67,6 @@ class MHARConfig(LlamaConfig):
     """
 
     model_type = "mhar"
-    base_model_tp_plan = {
-        **LlamaConfig.base_model_tp_plan,
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-    }
 
     residual_mode: str = "full"
     residual_heads: int = 8
@@ -109,6 +104,17 @@ class MHARConfig(LlamaConfig):
                 f"routing_implementation={self.routing_implementation!r} is unknown; allowed: "
                 f"{', '.join(ROUTING_IMPLEMENTATIONS)}"
             )
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Llama's tensor-parallel plan, plus the q/k norms when the model has them (Qwen3)."""
+        if not self.qk_norm:
+            return dict(LlamaConfig.base_model_tp_plan)
+        return {
+            **LlamaConfig.base_model_tp_plan,
+            "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+            "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        }
 
     @property
     def layers_per_block(self) -> int:

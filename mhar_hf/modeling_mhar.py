@@ -5,15 +5,22 @@ Module and parameter names follow `modeling_llama.py` so that Llama checkpoints,
 names and tensor-parallel plans keep working. The routing parameters of each read live in a
 small `MHARRouter` submodule (`layers.N.attn_router`, `layers.N.mlp_router`, `final_router`).
 
-The residual state passed between layers depends on `config.residual_mode`:
-  standard  hidden                      the plain residual
-  full      (sources...)                every sublayer output so far, the embedding first
-  block     ((blocks...), partial)      finished block sums and the running one
-  delta     (stream, (blocks...), boundary, (reads...))   the plain residual, its block deltas,
-                                        the stream at the last block boundary, and the gated
-                                        reads of later sites computed ahead (see `reads_ahead`)
-States are tuples and never mutated, so a layer recomputed under activation checkpointing
-sees exactly the inputs of its first run.
+The residual state passed between layers is a flat tuple of tensors (reentrant activation
+checkpointing follows gradients only through a layer's positional tensor arguments); its layout
+depends on `config.residual_mode`:
+  standard  (hidden,)                       the plain residual
+  full      (sources...)                    every sublayer output so far, the embedding first
+  block     (blocks..., partial)            finished block sums and the running one
+  delta     (stream, boundary, blocks..., reads...)   the plain residual, the stream at the last
+                                            block boundary, its block deltas (a layer knows how
+                                            many it receives), and the gated reads of later sites
+                                            computed ahead (see `reads_ahead`)
+States are never mutated, so a layer recomputed under activation checkpointing sees exactly the
+inputs of its first run.
+
+Hidden states (`output_hidden_states`): entry i is what layer i's attention sublayer starts
+from, the stream in `standard` and `delta` mode and the layer's attention read in `full` and
+`block` mode (the embedding for layer 0); the last entry is the final norm's output, as in Llama.
 """
 
 
@@ -38,8 +45,9 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import capture_outputs, resolve_hidden_states_indices, selected_hidden_states
 
 from .configuration_mhar import MHARConfig
 from .routing import Read, route, route_and_start, route_group, track
@@ -197,6 +205,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             self.ends_block = (layer_idx + 1) % config.layers_per_block == 0 and \
                 layer_idx + 1 < config.num_hidden_layers
             self.routing_implementation = config.routing_implementation
+            # delta mode: the blocks this layer receives, the embedding and one per block ended before it
+            self.blocks_received = 1 + layer_idx // config.layers_per_block
         # delta mode, a layer that starts a block: (layer, router name) of the later reads of the
         # blocks it completes, read together with its MLP read (MHARModel sets them). Names, not
         # routers: PEFT's modules_to_save swaps a router for a wrapper after the model is built.
@@ -204,14 +214,16 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
 
     def forward(
         self,
-        residual,
+        *residual: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ):
+    ) -> tuple[torch.Tensor, ...]:
+        """`residual`: the residual state, flat (see the module docstring). Returns the layer's
+        hidden state (what its attention sublayer starts from) followed by the next state."""
         attend = partial(
             self.attention_sublayer,
             attention_mask=attention_mask,
@@ -221,7 +233,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        return getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
+        hidden, residual = getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
+        return hidden, *residual
 
     # Each sublayer adds delta mode's gated `read` to its input and its output to `residual` when
     # given them: inside the sublayer, so that a compiled sublayer fuses the adds (and their
@@ -246,9 +259,11 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         before it (see `routing.track`)."""
         return track(tensor, self.routing_implementation, after)
 
-    def _forward_standard(self, hidden, attend):
-        hidden = attend(hidden, residual=hidden)
-        return self.mlp_sublayer(hidden, residual=hidden)
+    # Each mode's step returns (the layer's hidden state, the next residual state).
+    def _forward_standard(self, residual, attend):
+        (hidden,) = residual
+        stream = attend(hidden, residual=hidden)
+        return hidden, (self.mlp_sublayer(stream, residual=stream),)
 
     def _forward_full(self, sources, attend):
         # the MLP read takes the attention read's sources and one more: one pass serves both
@@ -257,34 +272,35 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         else:
             hidden, prefix = sources[0], None
         sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
-        hidden = self.mlp_router(sources, prefix=prefix)
-        return (*sources, self.depth_source(self.mlp_sublayer(hidden), after=sources[-1]))
+        mlp_input = self.mlp_router(sources, prefix=prefix)
+        return hidden, (*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1]))
 
     def _forward_block(self, residual, attend):
-        blocks, newest = residual
-        hidden = self.attn_router((*blocks, newest)) if self.attn_router is not None else newest
+        blocks, newest = residual[:-1], residual[-1]
+        hidden = self.attn_router(residual) if self.attn_router is not None else newest
         if self.starts_block:
             blocks, running = (*blocks, newest), attend(hidden)
         else:
             running = attend(hidden, residual=newest)
         running = self.depth_source(running, after=newest)
         running_after_mlp = self.mlp_sublayer(self.mlp_router((*blocks, running)), residual=running)
-        return blocks, self.depth_source(running_after_mlp, after=running)
+        return hidden, (*blocks, self.depth_source(running_after_mlp, after=running))
 
     def _forward_delta(self, residual, attend):
-        stream, blocks, boundary, ahead = residual
+        stream_in, boundary = residual[:2]
+        blocks, ahead = residual[2:2 + self.blocks_received], residual[2 + self.blocks_received:]
         read = None
         if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
             read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
         if self.starts_block and self.reads_ahead and _whole_here(self.reads_ahead):
             ahead = self.mlp_router(blocks, ahead=tuple(getattr(layer, name) for layer, name in self.reads_ahead))
-        stream = attend(stream, residual=stream, read=read)
+        stream = attend(stream_in, residual=stream_in, read=read)
         read, ahead = self._delta_read(self.mlp_router, blocks, ahead)
         if not self.ends_block:
-            return self.mlp_sublayer(stream, residual=stream, read=read), blocks, boundary, ahead
+            return stream_in, (self.mlp_sublayer(stream, residual=stream, read=read), boundary, *blocks, *ahead)
         # the delta from the sublayer, where compiled it costs no kernel of its own either way
         stream, delta = self.mlp_sublayer(stream, residual=stream, read=read, boundary=boundary)
-        return stream, (*blocks, self.depth_source(delta, after=blocks[-1])), stream, ahead
+        return stream_in, (stream, stream, *blocks, self.depth_source(delta, after=blocks[-1]), *ahead)
 
     @staticmethod
     def _delta_read(router, blocks, ahead):
@@ -367,29 +383,23 @@ class MHARModel(MHARPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def initial_residual(self, embeddings: torch.Tensor):
+    def initial_residual(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The residual state before layer 0 (see the module docstring)."""
         mode = self.config.residual_mode
-        if mode == "full":
+        if mode in ("full", "block"):
             return (track(embeddings, self.config.routing_implementation),)
-        if mode == "block":
-            return (), track(embeddings, self.config.routing_implementation)
         if mode == "delta":  # the embedding is the first block
-            return embeddings, (track(embeddings, self.config.routing_implementation),), embeddings, ()
-        return embeddings
+            return embeddings, embeddings, track(embeddings, self.config.routing_implementation)
+        return (embeddings,)
 
-    def final_hidden(self, residual) -> torch.Tensor:
-        """The input of the final norm: the last routed read, or the plain stream."""
-        mode = self.config.residual_mode
-        if mode == "full":
+    def final_hidden(self, residual: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The input of the final norm: the last routed read (of every source in full mode, of
+        the blocks and the running one in block mode), or the plain stream."""
+        if self.config.residual_mode in ("full", "block"):
             return self.final_router(residual)
-        if mode == "block":
-            blocks, running = residual
-            return self.final_router((*blocks, running))
-        if mode == "delta":
-            return residual[0]
-        return residual
+        return residual[0]
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -400,8 +410,11 @@ class MHARModel(MHARPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_hidden_states: bool | int | list[int] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        """`output_hidden_states`: True for every layer's hidden state (see the module docstring),
+        or the indices of those to keep (the others are None), as in transformers' models."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -423,10 +436,12 @@ class MHARModel(MHARPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
+        keep = self._hidden_states_to_keep(output_hidden_states)
+        all_hidden_states = []
         residual = self.initial_residual(inputs_embeds)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            residual = decoder_layer(
-                residual,
+            hidden, *residual = decoder_layer(
+                *residual,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -434,8 +449,26 @@ class MHARModel(MHARPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+            if keep is not None:
+                all_hidden_states.append(hidden if len(all_hidden_states) in keep else None)
         hidden_states = self.norm(self.final_hidden(residual))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        if keep is not None:
+            all_hidden_states.append(hidden_states if len(all_hidden_states) in keep else None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache,
+            hidden_states=tuple(all_hidden_states) if keep is not None else None,
+        )
+
+    def _hidden_states_to_keep(self, output_hidden_states) -> set[int] | None:
+        """The hidden-state indices to return (None: none), from the argument or the config."""
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if output_hidden_states is False:
+            return None
+        count = self.config.num_hidden_layers + 1
+        selected = selected_hidden_states(output_hidden_states)
+        return set(range(count)) if selected is None else resolve_hidden_states_indices(self, selected, count)
 
 
 class MHARForCausalLM(MHARPreTrainedModel, GenerationMixin):
@@ -451,6 +484,7 @@ class MHARForCausalLM(MHARPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,

@@ -53,3 +53,22 @@ def test_incremental_forward_with_a_cache_equals_one_full_forward(mode):
         first = model(tokens[:, :6], use_cache=True)
         rest = model(tokens[:, 6:], cache=first.cache, use_cache=True).logits  # positions come from the cache
     torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_assisted_decoding_equals_greedy(mode):
+    """Assisted (speculative) decoding reads the hidden states of each step; whatever the
+    assistant proposes, greedy verification must give the model's own greedy tokens."""
+    model = randomise_routing(build(mode, attn="eager"), scale=3.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    assistant = build("standard", attn="eager", num_hidden_layers=2)
+    prompt = torch.randint(2, 384, (1, 7))
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=1, eos_token_id=None)
+    greedy = model.generate(prompt, **settings)
+    assisted = model.generate(prompt, assistant_model=assistant, **settings)
+    assert torch.equal(assisted, greedy)
+    returned = model.generate(prompt, output_hidden_states=True, return_dict_in_generate=True, **settings)
+    assert torch.equal(returned.sequences, greedy)
+    assert len(returned.hidden_states) == 12  # one tuple per step, each of every layer's states
+    assert all(len(step) == model.config.num_hidden_layers + 1 for step in returned.hidden_states)

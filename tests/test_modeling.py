@@ -1,5 +1,8 @@
 """The model against independent references: LlamaForCausalLM and a per-mode forward written
-here straight from DESIGN.md section 2."""
+here straight from each mode's definition."""
+
+import re
+import warnings
 
 import pytest
 import torch
@@ -79,8 +82,10 @@ def test_real_llama_configs_equal_llama_bit_for_bit(name, mode):
     assert model.config.tie_word_embeddings == fields["tie_word_embeddings"]
 
 
-def reference_logits(model, tokens):
-    """Each mode's forward written from DESIGN.md, routing in fp64 by `per_head_route`."""
+def reference_forward(model, tokens):
+    """Each mode's forward written from its definition, routing in fp64 by `per_head_route`:
+    the logits, and the hidden states (what each layer's attention starts
+    from: the stream, or the attention read; then the final norm's output)."""
     config, inner = model.config, model.model
     heads, mode = config.residual_heads, config.residual_mode
     embeddings = inner.embed_tokens(tokens)
@@ -102,16 +107,19 @@ def reference_logits(model, tokens):
     def mlp(layer, h):
         return layer.mlp(layer.post_attention_layernorm(h))
 
+    hidden = []
     if mode == "full":
         sources = [embeddings]
         for layer in inner.layers:
-            sources.append(attn(layer, read(sources, layer.attn_router)))
+            hidden.append(read(sources, layer.attn_router))
+            sources.append(attn(layer, hidden[-1]))
             sources.append(mlp(layer, read(sources, layer.mlp_router)))
         final = read(sources, inner.final_router)
     elif mode == "block":
         blocks, partial = [], embeddings
         for i, layer in enumerate(inner.layers):
             h = partial if not blocks else read(blocks + [partial], layer.attn_router)
+            hidden.append(h)
             if i % config.layers_per_block == 0:
                 blocks.append(partial)
                 partial = None
@@ -123,6 +131,7 @@ def reference_logits(model, tokens):
         stream, blocks, boundary = embeddings, [], None
         for i, layer in enumerate(inner.layers):
             # Layer 0 reads no block yet; the model gives its attention no router (see modeling_mhar.py).
+            hidden.append(stream)
             h = stream if not blocks else stream + layer.attn_router.gate * read(blocks, layer.attn_router, null=True)
             if i % config.layers_per_block == 0:
                 blocks.append(stream if boundary is None else stream - boundary)
@@ -131,7 +140,8 @@ def reference_logits(model, tokens):
             h = stream + layer.mlp_router.gate * read(blocks, layer.mlp_router, null=True)
             stream = stream + mlp(layer, h)
         final = stream
-    return model.lm_head(inner.norm(final))
+    hidden.append(inner.norm(final))
+    return model.lm_head(hidden[-1]), hidden
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
@@ -140,8 +150,13 @@ def test_modes_match_a_forward_written_from_the_design(mode, layers, blocks):
     model = randomise_routing(build(mode, num_hidden_layers=layers, residual_num_blocks=blocks))
     tokens = ids()
     with torch.no_grad():
-        got, expected = model(tokens).logits, reference_logits(model, tokens)
+        out = model(tokens, output_hidden_states=True)
+        expected, expected_hidden = reference_forward(model, tokens)
+    got = out.logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(out.hidden_states) == layers + 1
+    for i, (state, reference) in enumerate(zip(out.hidden_states, expected_hidden, strict=True)):
+        torch.testing.assert_close(state, reference, rtol=1e-5, atol=1e-5, msg=f"hidden state {i}")
     with torch.no_grad():  # and routing matters: the same backbone in standard mode differs
         plain = llama_twin(model)(tokens).logits
     assert (got - plain).abs().max() > 1e-3
@@ -238,22 +253,70 @@ def test_init_values_and_zero_query_uniform_routing():
     assert model.model.layers[1].self_attn.q_proj.weight.std() > 0.01  # the backbone is initialised
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_activation_checkpointing_gives_the_same_gradients(mode):
+def test_activation_checkpointing_gives_the_same_gradients(mode, reentrant):
+    """Reentrant checkpointing (Trainer's and DeepSpeed's common setting) follows gradients only
+    through a layer's positional tensor arguments: every parameter must still get its gradient."""
     model = randomise_routing(build(mode)).train()
     tokens = ids()
 
     def gradients():
-        model.zero_grad()
+        model.zero_grad(set_to_none=True)
         model(tokens, labels=tokens).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        return {n: p.grad for n, p in model.named_parameters()}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
-    checkpointed = gradients()
+    assert all(grad is not None for grad in plain.values())
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torch warns when no checkpointed input needs a gradient
+        checkpointed = gradients()
     assert model.model.layers[0].gradient_checkpointing
     for name, grad in plain.items():
+        assert checkpointed[name] is not None, f"{name}: no gradient under checkpointing"
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_standard_hidden_states_equal_llama():
+    model = build("standard")
+    tokens = ids()
+    with torch.no_grad():
+        ours = model(tokens, output_hidden_states=True).hidden_states
+        llama = llama_twin(model)(tokens, output_hidden_states=True).hidden_states
+    assert len(ours) == len(llama) == model.config.num_hidden_layers + 1
+    for mine, theirs in zip(ours, llama, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hidden_states_by_index_and_from_the_config(mode):
+    model = randomise_routing(build(mode))
+    tokens = ids()
+    with torch.no_grad():
+        every = model(tokens, output_hidden_states=True).hidden_states
+        chosen = model(tokens, output_hidden_states=[0, -1]).hidden_states
+        assert model(tokens).hidden_states is None
+        model.config.output_hidden_states = True
+        from_config = model(tokens).hidden_states
+    assert [h is None for h in chosen] == [False] + [True] * (len(every) - 2) + [False]
+    assert torch.equal(chosen[0], every[0]) and torch.equal(chosen[-1], every[-1])
+    assert all(torch.equal(a, b) for a, b in zip(from_config, every, strict=True))
+    assert torch.equal(every[0], model.model.embed_tokens(tokens))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_legacy_cache_keyword_is_the_cache(mode):
+    """`past_key_values=` (the name before transformers 5.24) must reach the cache, with a
+    deprecation warning, not vanish into **kwargs and give logits computed without it."""
+    model = randomise_routing(build(mode))
+    tokens = ids(tokens=10)
+    with torch.no_grad():
+        full = model(tokens).logits
+        first = model(tokens[:, :6], use_cache=True)
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            rest = model(tokens[:, 6:], past_key_values=first.cache, use_cache=True).logits
+    torch.testing.assert_close(rest, full[:, 6:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -303,3 +366,14 @@ def test_lora_targets_llama_names():
     peft_model(input_ids=tokens, labels=tokens).loss.backward()
     lora = [n for n, p in peft_model.named_parameters() if "lora_" in n and p.grad is not None]
     assert len(lora) == 2 * 3 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_tensor_parallel_plan_key_names_parameters(mode, qk_norm):
+    model = build(mode, qk_norm=qk_norm)
+    names = [name for name, _ in model.named_parameters()]
+    for key in model.tp_plan:
+        pattern = re.compile(re.escape(key).replace(r"\*", r"\d+") + r"\.")
+        assert any(pattern.match(name) for name in names), f"tp plan key {key} names no parameter"
+    assert ("model.layers.*.self_attn.q_norm" in model.tp_plan) == qk_norm

@@ -563,11 +563,13 @@ def track(source: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tens
     return _mark(source, after)
 
 
-def _on_one_chain(sources) -> tuple[tuple, list, torch.Tensor | None]:
+def _on_one_chain(sources, begun: int = 0) -> tuple[tuple, list, torch.Tensor | None]:
     """The sources with every one that needs a gradient marked on one chain, (mark, position
     among the sources) of those, and the newest marked source (None when no source needs a
     gradient). Sources marked where they were made, newest last (the model's), come back as they
-    are; others are marked here."""
+    are; others are marked here. The first `begun` sources are a begun read's, already on one
+    chain (`ReadPrefix.marked`): sources after them are marked after them, so that the pair's
+    site backward, which writes terms the second read's sources use, runs before any of theirs."""
     positions = [i for i, s in enumerate(sources) if s.requires_grad]
     if not positions:
         return sources, [], None
@@ -575,8 +577,9 @@ def _on_one_chain(sources) -> tuple[tuple, list, torch.Tensor | None]:
     newest = marks[-1]
     if not (isinstance(newest, _DEPTH_NODE) and all(isinstance(m, _DEPTH_NODE) and _precedes(m, newest)
                                                     for m in marks)):
-        marked, previous = [], None
-        for s in sources:
+        marked = list(sources[:begun])
+        previous = next((s for s in reversed(marked) if s.requires_grad), None)
+        for s in sources[begun:]:
             if s.requires_grad:
                 s = previous = _mark(s, previous)
             marked.append(s)
@@ -962,7 +965,7 @@ def fused_route(
             if prefix.pair is None:
                 raise ValueError("this read was begun without autograd recording (under no_grad) and cannot end "
                                  "with it: begin and end a split read under the same grad mode")
-            sources, marks, newest = _on_one_chain(sources)
+            sources, marks, newest = _on_one_chain(sources, begun=len(prefix.sources))
             return FusedRouteEnd.apply(num_heads, eps, sources, marks, prefix, prefix.state.acc, query,
                                        key_norm_weight, newest)
         sources, table = _with_table(sources)
