@@ -93,6 +93,28 @@ def test_order_is_seeded_resumable_and_split_across_processes(tmp_path, tokenize
     assert torch.equal(next(again.sequences(7)), next(corpus.sequences(7)))
 
 
+def test_separate_validation_sources_score_every_seed_on_the_same_rows(tmp_path, paragraphs, tokenizer):
+    train_file = tmp_path / "train.jsonl"
+    val_file = tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:40]))
+    val_file.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[40:]))
+    val_rows = [tuple(r) for r in reference_rows(paragraphs[40:], tokenizer)]
+    for seed in (0, 1):
+        corpus = build_corpus([str(train_file)], tokenizer, SEQ, val_sequences=3, seed=seed, val_specs=[str(val_file)])
+        assert sorted(tuple(r) for r in corpus.train["input_ids"]) == sorted(map(tuple, reference_rows(paragraphs[:40], tokenizer)))
+        val = [tuple(r.tolist()) for r in corpus.val]
+        assert len(val) == 3 and set(val) <= set(val_rows)
+        if seed == 0:
+            first = val
+        assert val == first
+    streamed = build_corpus([str(train_file)], tokenizer, SEQ, val_sequences=3, seed=0, streaming=True,
+                            val_specs=[str(val_file)], shuffle_buffer=0)
+    assert [tuple(r.tolist()) for r in streamed.val] == first
+    assert tuple(next(streamed.sequences(0)).tolist()) == tuple(reference_rows(paragraphs[:40], tokenizer)[0])
+    with pytest.raises(ValueError, match="--val-data .* but --val-sequences is 999"):
+        build_corpus([str(train_file)], tokenizer, SEQ, val_sequences=999, seed=0, val_specs=[str(val_file)])
+
+
 def test_streaming_gives_the_same_sequences_and_resumes(tmp_path, tokenizer):
     data = write_jsonl_corpus(tmp_path / "c.jsonl", demo_corpus())
     rows = [list(r) for r in tokenize_and_pack(load_documents([str(data)]), tokenizer, SEQ)["input_ids"]]

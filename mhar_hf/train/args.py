@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     io.add_argument("--streaming", action="store_true", help="read the data as a stream (corpora larger than the disk cache)")
     io.add_argument("--shuffle-buffer", type=int, default=10_000, help="streaming: seeded shuffle buffer (0: file order)")
     io.add_argument("--val-sequences", type=int, default=64, help="packed sequences held out for validation")
+    io.add_argument("--val-data", nargs="+", metavar="PATH",
+                    help="take the validation sequences from these sources (same kinds as --data) "
+                         "instead of holding them out of --data")
     io.add_argument("--output", required=True, type=Path, help="run folder: checkpoints/, logs/, metrics.jsonl, model/")
 
     run = parser.add_argument_group("batch and length")

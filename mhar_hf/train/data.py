@@ -15,7 +15,10 @@ every process and every world size, and a run resumes by starting at its positio
   streaming            nothing is prepared ahead; sequences come in file order, shuffled
                        through a seeded buffer; resuming re-reads the stream up to g.
 The held-out validation sequences are a seeded random sample of the packed corpus (streaming:
-the first ones of the stream) and never appear in training.
+the first ones of the stream) and never appear in training. With separate validation sources
+(`val_specs`, e.g. files held out whole), they are a sample of those sources' packed rows drawn
+with a fixed seed, so runs of every seed are scored on the same rows, and the training sequences
+are the whole of the training sources.
 """
 
 from __future__ import annotations
@@ -175,10 +178,19 @@ class PackedCorpus:
 
 def build_corpus(specs: Sequence[str], tokenizer, seq_length: int, val_sequences: int, seed: int,
                  text_field: str = "text", streaming: bool = False, shuffle_buffer: int = 10_000,
-                 split: str = "train", name: str | None = None, min_train_sequences: int = 1) -> PackedCorpus:
+                 split: str = "train", name: str | None = None, min_train_sequences: int = 1,
+                 val_specs: Sequence[str] | None = None) -> PackedCorpus:
     """Load, tokenise, pack and split; fail with a clear message when too little data is left."""
     documents = load_documents(specs, text_field=text_field, streaming=streaming, split=split, name=name)
     packed = tokenize_and_pack(documents, tokenizer, seq_length)
+    if val_specs:
+        val = validation_rows(val_specs, tokenizer, seq_length, val_sequences, text_field=text_field)
+        if streaming:
+            head = list(itertools.islice(packed, min_train_sequences))
+            _check_enough(len(head), min_train_sequences, seq_length, 0, min_train_sequences)
+        else:
+            _check_enough(len(packed), min_train_sequences, seq_length, 0, min_train_sequences)
+        return PackedCorpus(train=packed, val=val, seed=seed, shuffle_buffer=shuffle_buffer if streaming else 0)
     needed = val_sequences + min_train_sequences
     if streaming:
         try:
@@ -194,6 +206,21 @@ def build_corpus(specs: Sequence[str], tokenizer, seq_length: int, val_sequences
     train_rows = np.sort(order[val_sequences:])
     val = torch.tensor(packed.select(val_rows)["input_ids"]) if val_sequences else torch.empty(0, seq_length, dtype=torch.long)
     return PackedCorpus(train=packed.select(train_rows), val=val, seed=seed)
+
+
+def validation_rows(specs: Sequence[str], tokenizer, seq_length: int, count: int, text_field: str = "text") -> torch.Tensor:
+    """`count` packed rows of the sources `specs`, sampled with a fixed seed (the same rows for
+    every run, whatever its --seed), in corpus order."""
+    packed = tokenize_and_pack(load_documents(specs, text_field=text_field), tokenizer, seq_length)
+    if len(packed) < count:
+        raise ValueError(
+            f"--val-data {', '.join(map(str, specs))} gives only {len(packed)} packed sequences of {seq_length} "
+            f"tokens, but --val-sequences is {count}: add validation data or lower --val-sequences"
+        )
+    if count == 0:
+        return torch.empty(0, seq_length, dtype=torch.long)
+    rows = np.sort(np.random.default_rng(0).permutation(len(packed))[:count])
+    return torch.tensor(packed.select(rows)["input_ids"])
 
 
 def _check_enough(have: int, needed: int, seq_length: int, val: int, train: int) -> None:

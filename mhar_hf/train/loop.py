@@ -154,6 +154,8 @@ def train(args) -> Path:
 
     check_arguments(args)
     check_sources(args.data)
+    if args.val_data:
+        check_sources(args.val_data)
     output = Path(args.output)
     prepare_output(output, args.resume)
 
@@ -173,6 +175,7 @@ def train(args) -> Path:
             args.data, tokenizer, args.seq_length, args.val_sequences, args.seed, text_field=args.text_field,
             streaming=args.streaming, shuffle_buffer=args.shuffle_buffer, split=args.data_split,
             name=args.data_name, min_train_sequences=accelerator.num_processes * args.batch_size,
+            val_specs=args.val_data,
         )
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
@@ -278,7 +281,8 @@ def training_metadata(args, accelerator, state: TrainerState, last: dict) -> dic
 
     return {
         "source_model": str(args.model), "steps": state.step, "tokens": state.tokens,
-        "data": [str(d) for d in args.data], "seq_length": args.seq_length,
+        "data": [str(d) for d in args.data], "val_data": [str(d) for d in args.val_data or []],
+        "seq_length": args.seq_length,
         "global_batch_sequences": accelerator.num_processes * args.batch_size * args.grad_accum,
         "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type.value),
         "lr_schedule": {"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
