@@ -1,6 +1,6 @@
 """Build the experiments' corpus offline, from the Python sources and docs installed on this machine.
 
-    python experiments/build_corpus.py --out experiments/corpus [--root DIR ...] [--max-mb 320]
+    python experiments/build_corpus.py --out experiments/corpus [--root DIR ...] [--max-mb 200]
 
 Files ending in .py, .md, .rst or .txt under the roots (default: this interpreter's
 site-packages and /usr/lib/python3*) become one document each. Identical files are kept once.
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--root", type=Path, action="append", help="folder to read (repeatable; default: the installed Python)")
-    parser.add_argument("--max-mb", type=float, default=320.0, help="stop after this much text (MiB, both splits)")
+    parser.add_argument("--max-mb", type=float, default=200.0, help="stop after this much text (MiB, both splits)")
     parser.add_argument("--val-permille", type=int, default=10, help="files per thousand held out for validation")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tokenizer-mb", type=float, default=16.0, help="train-split text the tokenizer learns from (MiB)")
