@@ -33,13 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from init_models import MHAR  # noqa: E402
 from plan import (  # noqa: E402
     ARMS, MIDTRAIN_FRACTION, MIDTRAIN_OPTIMISER, MIDTRAIN_SEED, OPTIMISER, RECIPES, SHAPES, step_tokens, steps_for,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-MHAR = [sys.executable, "-m", "mhar_hf.cli"]  # the `mhar` command
 CALIBRATION_ARMS = ("plain", "full-h8")
 CALIBRATION_STEPS = {"small": 40, "tiny": 4}
 LOG_EVERY = {"small": 10, "tiny": 1}
