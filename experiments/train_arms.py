@@ -14,9 +14,10 @@ A piece is one `mhar train ... --resume` process, stopped after --piece-minutes;
 resumes from the run's newest checkpoint, so the run's metrics read as one uninterrupted run.
 Nothing starts a piece past --deadline.
 
---calibrate first trains plain and full-h8 for a few steps each, alone (RUNS/calibration/), and
-sets the token budget per arm to what fits before the deadline at their measured tokens/s,
-counting the arms as if they ran one after the other (RUNS/budget.json).
+--calibrate first trains plain and full-h8 for a few steps each, alone (RUNS/ARM/calibration/),
+and sets the token budget per arm to what fits before the deadline at their measured tokens/s,
+counting the arms as if they ran one after the other, continuations at their share of the budget
+(RUNS/budget.json).
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def train_arm(arm_name: str, runs: Path, corpus: Path, shape: str, tokens: int, 
               wait_for: threading.Event | None, output_name: str = "run") -> dict:
     env = environment(parallel)
     folder = runs / arm_name
+    folder.mkdir(parents=True, exist_ok=True)
     steps = steps_for(RECIPES[shape], tokens, MIDTRAIN_FRACTION if ARMS[arm_name].midtrain else 1.0)
     info = {"arm": arm_name, "shape": shape, "steps": steps, "budget_tokens": tokens, "parallel": parallel,
             "device": device_name(), "commit": commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -168,8 +170,8 @@ def train_arm(arm_name: str, runs: Path, corpus: Path, shape: str, tokens: int, 
         command = train_command(arm_name, model, corpus, output, shape, steps)
         info["pieces"] = run_pieces(command, output, folder / "train.log", steps, piece_seconds, deadline, env, packed)
         info["finished"] = finished(output, steps)
-    except subprocess.CalledProcessError as error:
-        info.update(finished=False, error=str(error))
+    except Exception as error:  # noqa: BLE001  one arm's failure is recorded; the others go on
+        info.update(finished=False, error=repr(error))
     finally:
         if packed is not None:
             packed.set()
@@ -195,8 +197,10 @@ def calibrate(runs: Path, corpus: Path, shape: str, arms: list[str], deadline: f
         train_arm(arm_name, runs, corpus, shape, CALIBRATION_STEPS[shape] * per_step, 1, 3600.0, deadline,
                   None, None, output_name="calibration")
         speeds[arm_name] = median_speed(runs / arm_name / "calibration" / "metrics.jsonl")
-    seconds = deadline - time.time() - RESERVE_SECONDS
-    per_token = sum(1 / speeds["plain"] if ARMS[a].mode in ("standard", "qwen3") else 1 / (speeds["full-h8"] * ROUTED_SAFETY)
+    later_wave = any(ARMS[a].convert_from for a in arms)
+    seconds = deadline - time.time() - RESERVE_SECONDS * (2 if later_wave else 1)
+    per_token = sum((MIDTRAIN_FRACTION if ARMS[a].midtrain else 1.0)
+                    * (1 / speeds["plain"] if ARMS[a].mode in ("standard", "qwen3") else 1 / (speeds["full-h8"] * ROUTED_SAFETY))
                     for a in arms)
     tokens = max(2, int(seconds / per_token) // per_step) * per_step
     budget = {"tokens_per_arm": tokens, "calibration_tokens_per_s": speeds, "seconds_available": round(seconds),
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     args.runs.mkdir(parents=True, exist_ok=True)
 
     if args.calibrate:
-        tokens = calibrate(args.runs, args.corpus, args.shape, [a for a in args.arms if not ARMS[a].convert_from], args.deadline)["tokens_per_arm"]
+        tokens = calibrate(args.runs, args.corpus, args.shape, args.arms, args.deadline)["tokens_per_arm"]
     elif args.budget:
         tokens = json.loads(args.budget.read_text())["tokens_per_arm"]
     else:
