@@ -8,7 +8,7 @@ The same as `mhar convert`; see `mhar_hf.convert.convert_checkpoint` for the Pyt
 
 import sys
 
-from mhar_hf.cli import main
+from mhar_cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["convert", *sys.argv[1:]]))

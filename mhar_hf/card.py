@@ -180,7 +180,7 @@ def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str
     import jinja2
 
     from .configuration_mhar import MHARConfig
-    from .model_folder import parameter_counts, read_mhar_config
+    from mhar_cli.folder import parameter_counts, read_mhar_config
 
     folder = Path(model_dir)
     read_mhar_config(folder)

@@ -54,7 +54,8 @@ class MHARConfig(LlamaConfig):
         H = 1 is Kimi's Attention Residuals.
     residual_num_blocks (`int`, defaults to 8):
         Delta mode (and block mode when `residual_block_layers` is unset): the depth history is
-        cut into this many blocks of `ceil(num_hidden_layers / residual_num_blocks)` layers.
+        cut into blocks of `ceil(num_hidden_layers / residual_num_blocks)` layers, so at most this
+        many (a model with fewer layers gets a block per layer).
     residual_block_layers (`int`, *optional*):
         Block mode: layers per block.
     routing_implementation (`str`, defaults to `"auto"`):
@@ -90,10 +91,8 @@ class MHARConfig(LlamaConfig):
                 f"residual_heads={self.residual_heads!r} must be a positive integer dividing hidden_size="
                 f"{self.hidden_size}; for example one of {divisors}"
             )
-        if not 1 <= self.residual_num_blocks <= layers:
-            raise ValueError(
-                f"residual_num_blocks={self.residual_num_blocks} must be between 1 and num_hidden_layers={layers}"
-            )
+        if not isinstance(self.residual_num_blocks, int) or self.residual_num_blocks < 1:
+            raise ValueError(f"residual_num_blocks={self.residual_num_blocks!r} must be a positive integer")
         if self.residual_block_layers is not None and not 1 <= self.residual_block_layers <= layers:
             raise ValueError(
                 f"residual_block_layers={self.residual_block_layers} must be between 1 and num_hidden_layers={layers} "

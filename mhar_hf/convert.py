@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
+
+from mhar_cli.folder import built_in_place, safetensors_header
 
 from .configuration_mhar import MHARConfig
 
@@ -185,22 +186,9 @@ class SourceTensor:
 def read_safetensors_header(path: Path) -> list[SourceTensor]:
     """The tensors of one safetensors file, in the order of their data, checked for consistency."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < header_len <= size - 8:
-            raise ValueError(f"{path} is not a valid safetensors file (bad header length); re-download it")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} has a corrupt safetensors header ({error}); re-download it") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} has a corrupt safetensors header (not a JSON object); re-download it")
-    data_start = 8 + header_len
+    header, data_start = safetensors_header(path)
     tensors = []
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
             shape = tuple(int(n) for n in info["shape"])
@@ -584,22 +572,6 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
             raise FileExistsError(f"DST {dst} is not empty; choose a new folder or pass --overwrite to replace it")
 
 
-def _move_into_place(tmp: Path, dst: Path) -> None:
-    """Rename the finished folder to `dst`; an existing `dst` is swapped out first and removed
-    only once the new one is in place."""
-    if not dst.exists():
-        os.rename(tmp, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.replaced-", dir=dst.parent))
-    os.rename(dst, old / dst.name)
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        os.rename(old / dst.name, dst)
-        raise
-    shutil.rmtree(old)
-
-
 def convert_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -638,9 +610,7 @@ def convert_checkpoint(
         f"file(s), {len(plan.tensors) - routing} tensors) -> MHAR delta, H={heads}, {num_blocks} blocks, "
         f"+{routing} routing tensors")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
-    try:
+    with built_in_place(dst, "converting", log) as tmp:
         shards = write_weights(plan, tmp, max_shard_bytes, log)
         plan.config.save_pretrained(tmp)
         save_remote_code(tmp)
@@ -675,10 +645,6 @@ def convert_checkpoint(
             "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {dst}")
     return dst
 

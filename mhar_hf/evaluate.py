@@ -29,11 +29,12 @@ import datetime
 import difflib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+
+from mhar_cli.folder import built_in_place
 
 PAPER_TASKS = ("gsm8k", "gpqa_main_zeroshot")
 TASK_TEMPLATES = Path(__file__).resolve().parents[1] / "evaluation" / "tasks"
@@ -186,6 +187,28 @@ def default_output(model_dir: Path) -> Path:
     return model_dir / "eval" / stamp
 
 
+def task_sized_lm(**kwargs):
+    """lm-eval's HFLM, whose length limit during generation is what the requests need (the
+    longest prompt plus the tokens to generate) rather than the model's position limit. The
+    harness's `auto` batch-size probe for generation runs batches of that many tokens: 131,072
+    for a Llama-3.1 config, which exhausts any memory. No prompt is cut: the limit covers all."""
+    from lm_eval.models.huggingface import HFLM
+
+    class TaskSizedHFLM(HFLM):
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            if not requests:
+                return super().generate_until(requests, disable_tqdm)
+            prompt = max(len(self.tok_encode(request.args[0])) for request in requests)
+            new = max(request.args[1].get("max_gen_toks", self.max_gen_toks) for request in requests)
+            limit, self._max_length = self._max_length, min(prompt + new, self.max_length)
+            try:
+                return super().generate_until(requests, disable_tqdm)
+            finally:
+                self._max_length = limit
+
+    return TaskSizedHFLM(**kwargs)
+
+
 def _parse_batch_size(value: str | int) -> str | int:
     if isinstance(value, int) or str(value).startswith("auto"):
         return value
@@ -234,7 +257,6 @@ def evaluate(
     """
     import torch
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import handle_non_serializable, make_table
 
     import mhar_hf  # registers the MHAR classes with the Auto factories the harness uses
@@ -248,13 +270,15 @@ def evaluate(
     batch_size = _parse_batch_size(batch_size)
     tasks = list(dict.fromkeys(tasks))
 
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with built_in_place(out, "evaluating", report) as partial:
         manager = resolve_tasks(tasks, partial / "tasks", data_dir, include_paths)
-        lm = HFLM(pretrained=str(model_dir), backend="causal", batch_size=batch_size,
-                  device=device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype="auto")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if str(batch_size).startswith("auto") and torch.device(device).type == "cpu":
+            # the probe finds a CPU's limit by running out of memory, which on a CPU ends the process
+            report("--batch-size auto on a CPU: evaluating one item at a time (pass a number to batch)")
+            batch_size = 1
+        lm = task_sized_lm(pretrained=str(model_dir), backend="causal", batch_size=batch_size, device=device,
+                           dtype="auto")
         merged: dict = {}
         primary = {}
         for task in tasks:
@@ -299,13 +323,6 @@ def evaluate(
         }
         (partial / "results.json").write_text(
             json.dumps(merged, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     report(make_table(merged))
     report(f"run folder: {out}")
     return out

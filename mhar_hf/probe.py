@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .model_folder import read_mhar_config
+from mhar_cli.folder import read_mhar_config
 from .routing import routing_keys, routing_weights
 
 SLICES = 4

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .model_folder import read_mhar_config
+from mhar_cli.folder import read_mhar_config
 
 BUNDLE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "routing.py")
 AUTO_MAP = {

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mhar_cli import main
 from mhar_hf.card import build_card, hub_id, write_card
-from mhar_hf.cli import main
 
 SOURCE = "meta-llama/Llama-3.2-1B"
 

@@ -3,10 +3,11 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 from test_modeling import build, randomise_routing
 
-from mhar_hf.cli import main
+from mhar_cli import main
 from mhar_hf.demo.pipeline import STEPS, run_demo
 
 
@@ -38,7 +39,33 @@ def test_demo_runs_every_step(tmp_path):
 
 def test_demo_refuses_a_non_empty_workdir(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    result = subprocess.run([sys.executable, "-m", "mhar_hf.cli", "demo", "--workdir", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "mhar_cli", "demo", "--workdir", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "not empty" in result.stderr
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_help_and_info_start_without_torch(tmp_path):
+    """`mhar --help` and `mhar info` import neither torch nor transformers (seconds each), so
+    they answer at once."""
+    model = build("delta")
+    model.save_pretrained(tmp_path)
+    script = ("import sys\nfrom mhar_cli import main\n"
+              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+              f"assert main(['info', {str(tmp_path)!r}]) == 0\n"
+              "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+              "print('heavy:', heavy)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "heavy: []" in result.stdout and "routing" in result.stdout and "COMMAND" in result.stdout
+
+
+def test_each_command_has_its_own_help(capsys):
+    for argv, expected in ((["eval", "compare", "--help"], "usage: mhar eval compare [-h] RUN_A RUN_B"),
+                           (["convert", "--help"], "(default: 8)"), (["eval", "--help"], "usage: mhar eval")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0 and expected in capsys.readouterr().out, argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["convrt"])
+    assert exit_.value.code == 2 and "invalid choice: 'convrt'" in capsys.readouterr().err

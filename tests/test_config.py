@@ -15,7 +15,6 @@ from mhar_hf.tiny import tiny_config
         (dict(residual_heads=3), "residual_heads"),  # 64 is not a multiple of 3
         (dict(residual_heads=0), "residual_heads"),
         (dict(residual_num_blocks=0), "residual_num_blocks"),
-        (dict(residual_num_blocks=5), "residual_num_blocks"),  # more blocks than 4 layers
         (dict(residual_mode="block", residual_block_layers=9), "residual_block_layers"),
         (dict(routing_implementation="cuda"), "routing_implementation"),
     ],
@@ -80,3 +79,10 @@ def test_real_llama_config_fields_survive_a_round_trip(tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "mhar" and "rope_theta" not in saved and "torch_dtype" not in saved
     assert (loaded.residual_mode, loaded.residual_heads, loaded.residual_num_blocks) == ("delta", 4, 3)
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_the_default_block_count_fits_models_of_few_layers(mode):
+    """residual_num_blocks=8 (the default) on a 4-layer model: one block per layer, not an error."""
+    config = tiny_config(residual_mode=mode, num_hidden_layers=4, residual_num_blocks=8)
+    assert config.layers_per_block == 1

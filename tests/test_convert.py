@@ -2,6 +2,9 @@
 configs, saved in several shards, converted, and compared bit for bit with the source model."""
 
 import hashlib
+import os
+import subprocess
+import sys
 import json
 from pathlib import Path
 
@@ -12,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from mhar_cli import main
 import mhar_hf
 from mhar_hf import convert as convert_module
-from mhar_hf.cli import main
 from mhar_hf.convert import convert_checkpoint, plan_conversion
 
 SHARD = "60KB"  # a tiny model (~100k parameters) then spans several shards on both sides
@@ -224,6 +227,36 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     assert file_hashes(src) == before
 
 
+def test_a_killed_conversion_is_cleaned_up_by_the_next(tmp_path, capsys):
+    """What a killed `mhar convert` left (a staging folder of a process that no longer runs) goes
+    with the next conversion to that folder; one of a live process stays; parent folders a
+    refused conversion would have needed are not made."""
+    from mhar_cli.folder import _this_host
+
+    src = save_source(tmp_path / "src", "Llama-3.2-1B")
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".dst.converting-{_this_host()}-{int(finished.stdout)}-x1"
+    live = tmp_path / f".dst.converting-{_this_host()}-{os.getpid()}-x2"
+    for leftover in (dead, live):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"half a shard")
+    assert main(["convert", str(src), str(tmp_path / "dst"), "--heads", "4", "--num-blocks", "2"]) == 0
+    assert not dead.exists() and live.exists()
+    assert f"removed {dead}" in capsys.readouterr().out
+    assert main(["convert", str(src), str(tmp_path / "a" / "b" / "dst"), "--heads", "5"]) == 2
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_converted_folder_has_the_umask_mode(tmp_path):
+    src = save_source(tmp_path / "src", "Llama-3.2-1B")
+    umask = os.umask(0o027)
+    try:
+        dst = convert_checkpoint(src, tmp_path / "dst", heads=4, num_blocks=2, log=lambda s: None)
+    finally:
+        os.umask(umask)
+    assert dst.stat().st_mode & 0o777 == 0o750  # what mkdir gives under that umask, not mkdtemp's 0700
+
+
 def test_overwrite(tmp_path, capsys):
     src = save_source(tmp_path / "src", "Mistral-7B-v0.3")
     dst = tmp_path / "dst"
@@ -316,7 +349,7 @@ def test_bad_inputs_are_refused(tmp_path, capsys, case):
 def test_bad_options_are_refused(tmp_path, capsys):
     src = save_source(tmp_path / "src", "Llama-3.1-8B")
     capsys.readouterr()
-    for options, message in ((["--heads", "5"], "residual_heads=5"), (["--num-blocks", "9"], "residual_num_blocks=9"),
+    for options, message in ((["--heads", "5"], "residual_heads=5"), (["--num-blocks", "0"], "residual_num_blocks=0"),
                              (["--num-blocks", "2", "--max-shard-size", "5 parsecs"], "not a size")):
         assert main(["convert", str(src), str(tmp_path / "dst"), *options]) == 2
         assert message in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhar_hf.cli import main
+from mhar_cli import main
 from mhar_hf.compare import compare_runs
 
 GSM8K_TRAIN = [(3, 4), (5, 6), (2, 9), (7, 8), (4, 4), (6, 3)]
@@ -258,3 +258,67 @@ def test_output_folder_must_be_new_and_arguments_are_checked(workspace, run_a, c
         main(["eval", "compare", str(run_a), str(run_a), "--limit", "3"])
     with pytest.raises(SystemExit):
         main(["eval", str(workspace["model_a"]), str(run_a)])
+
+
+def test_generation_batch_probe_is_sized_by_the_requests(workspace, tokenizer, tmp_path, monkeypatch):
+    """lm-eval's `auto` probe runs batches of the model's length limit; with a Llama-3.1-style
+    131,072-position config that exhausts memory. The probe must see what the prompts need."""
+    from lm_eval.api.instance import Instance
+    from transformers import AutoModelForCausalLM
+
+    from mhar_hf.evaluate import task_sized_lm
+    from mhar_hf.tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=131072))
+    model.save_pretrained(tmp_path / "long")
+    tokenizer.save_pretrained(tmp_path / "long")
+    lm = task_sized_lm(pretrained=str(tmp_path / "long"), backend="causal", batch_size="auto", device="cpu")
+    probed = []
+
+    def probe(self, requests=None, pos=0):
+        probed.append(self.max_length)
+        return 2
+
+    monkeypatch.setattr(type(lm), "_detect_batch_size", probe)
+    prompts = ["Mia packs three boxes.", "A farmer has five rows of six leeks, and a crate holds four jars."]
+    requests = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 4, "do_sample": False}), i)
+                for i, p in enumerate(prompts)]
+    outputs = lm.generate_until(requests)
+    assert len(outputs) == 2 and lm.max_length == 131072  # the limit is back once the requests are done
+    assert probed == [max(len(lm.tok_encode(p)) for p in prompts) + 4]
+
+
+def test_auto_batch_size_on_a_cpu_evaluates_one_item_at_a_time(workspace, tmp_path, monkeypatch):
+    from lm_eval.models.huggingface import HFLM
+
+    from mhar_hf.evaluate import evaluate
+
+    monkeypatch.setattr(HFLM, "_detect_batch_size", lambda *a, **k: pytest.fail("the probe ran on a CPU"))
+    notes = []
+    run = evaluate(workspace["model_a"], ["gsm8k_local"], limit=1, batch_size="auto", data_dir=workspace["data"],
+                   output=tmp_path / "run", max_gen_toks=4, device="cpu", report=notes.append)
+    assert json.loads((run / "results.json").read_text())["mhar"]["batch_size"] == "1"
+    assert any("one item at a time" in note for note in notes)
+
+
+def test_a_refused_or_failed_run_leaves_nothing(workspace, tmp_path, monkeypatch):
+    """No empty MODEL/eval/ after a failure, and no staging folder; one left by a killed run
+    (a process that no longer runs) is removed by the next."""
+    from mhar_hf import evaluate as evaluate_module
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in workspace["model_a"].iterdir():
+        (model / item.name).symlink_to(item)
+    assert main(["eval", str(model), "--tasks", "no_such_task", "--data-dir", str(workspace["data"])]) == 2
+    assert not (model / "eval").exists()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    from mhar_cli.folder import _this_host
+
+    leftover = tmp_path / "runs" / f".run.evaluating-{_this_host()}-{int(dead.stdout)}-abc"
+    leftover.mkdir(parents=True)
+    monkeypatch.setattr(evaluate_module, "resolve_tasks", lambda *a: (_ for _ in ()).throw(ValueError("stop")))
+    with pytest.raises(ValueError, match="stop"):
+        evaluate_module.evaluate(model, ["gsm8k_local"], output=tmp_path / "runs" / "run", report=lambda _: None)
+    assert list((tmp_path / "runs").iterdir()) == []

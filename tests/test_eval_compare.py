@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mhar_hf.cli import main
+from mhar_cli import main
 from mhar_hf.compare import compare_runs, format_comparison, mcnemar_exact
 
 TASK = "gsm8k_local"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mhar_hf.cli import main
+from mhar_cli import main
 from mhar_hf.probe import (
     RoutingProbe,
     head_deviation,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from train_setup import converted_model_and_corpus, read_metrics, train_args
 
-from mhar_hf.cli import main as cli
+from mhar_cli import main as cli
 from mhar_hf.tiny import demo_corpus, tiny_config, train_tokenizer
 
 

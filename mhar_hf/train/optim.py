@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mhar_cli.folder import is_routing_parameter
+
 SCHEDULES = ("cosine", "wsd", "1-sqrt", "constant")
 
 
@@ -21,13 +23,6 @@ def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch
     cross_entropy = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
     return cross_entropy, z_loss
-
-
-def is_routing_parameter(name: str) -> bool:
-    """Parameters of a routing site: anything under a module named `*_router`
-    (`layers.N.attn_router.query`, `...mlp_router.gate`, `final_router.key_norm_weight`, also
-    under PEFT's wrappers)."""
-    return any(part.endswith("_router") for part in name.split(".")[:-1])
 
 
 def parameter_groups(model: nn.Module, lr: float, weight_decay: float, routing_lr_multiplier: float = 1.0) -> list[dict]:

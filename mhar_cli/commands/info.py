@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+HELP = "print a saved model's config and parameter counts"
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("info", help="print a saved model's config and parameter counts")
+
+def add_arguments(parser) -> None:
     parser.add_argument("path", help="a folder written by save_pretrained")
-    parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from ..model_folder import parameter_counts, read_mhar_config
+    from ..folder import parameter_counts, read_mhar_config
 
     folder = Path(args.path)
     config = read_mhar_config(folder)

@@ -6,15 +6,16 @@ import tempfile
 from pathlib import Path
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="run the whole path on a tiny model and the embedded text")
+HELP = "run the whole path on a tiny model and the embedded text"
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--workdir", type=Path, help="where to write models (default: a temporary folder)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from ..demo.pipeline import run_demo
+    from mhar_hf.demo.pipeline import run_demo
 
     if args.workdir is not None:
         if args.workdir.exists() and any(args.workdir.iterdir()):

@@ -1,1 +1,0 @@
-"""`mhar` subcommands: one module each, with `register(subparsers)`."""
