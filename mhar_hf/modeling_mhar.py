@@ -33,7 +33,12 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
@@ -522,4 +527,23 @@ class MHARForCausalLM(MHARPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["MHARForCausalLM", "MHARModel", "MHARPreTrainedModel", "MHARRouter"]
+# Task heads on the base model, as Llama's (transformers' generic heads build it through AutoModel).
+class MHARForSequenceClassification(GenericForSequenceClassification, MHARPreTrainedModel): ...
+
+
+class MHARForQuestionAnswering(GenericForQuestionAnswering, MHARPreTrainedModel):
+    base_model_prefix = "transformer"  # Llama's name for it here, so its checkpoints load
+
+
+class MHARForTokenClassification(GenericForTokenClassification, MHARPreTrainedModel): ...
+
+
+__all__ = [
+    "MHARForCausalLM",
+    "MHARForQuestionAnswering",
+    "MHARForSequenceClassification",
+    "MHARForTokenClassification",
+    "MHARModel",
+    "MHARPreTrainedModel",
+    "MHARRouter",
+]

@@ -377,3 +377,33 @@ def test_every_tensor_parallel_plan_key_names_parameters(mode, qk_norm):
         pattern = re.compile(re.escape(key).replace(r"\*", r"\d+") + r"\.")
         assert any(pattern.match(name) for name in names), f"tp plan key {key} names no parameter"
     assert ("model.layers.*.self_attn.q_norm" in model.tp_plan) == qk_norm
+
+
+@pytest.mark.parametrize("head", ["SequenceClassification", "QuestionAnswering", "TokenClassification"])
+def test_task_heads_in_standard_mode_equal_llamas(head):
+    import transformers
+
+    config = tiny_config(residual_mode="standard", num_labels=3, pad_token_id=1)
+    ours = getattr(transformers, f"AutoModelFor{head}").from_config(config).eval()
+    assert type(ours).__name__ == f"MHARFor{head}"
+    fields = {k: v for k, v in config.to_dict().items() if k not in RESIDUAL_FIELDS + ("model_type",)}
+    llama = getattr(transformers, f"LlamaFor{head}")(LlamaConfig(**fields)).eval()
+    llama.load_state_dict(ours.state_dict(), strict=True)
+    tokens = ids()
+    with torch.no_grad():
+        mine, theirs = ours(tokens), llama(tokens)
+    for key in theirs.keys():
+        if torch.is_tensor(theirs[key]):
+            assert torch.equal(mine[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_task_heads_train_in_every_mode(mode):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(
+        tiny_config(residual_mode=mode, num_labels=3, pad_token_id=1))
+    randomise_routing(model)
+    out = model(ids(), labels=torch.tensor([0, 2]))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.model.layers[1].attn_router.query.grad.abs().sum() > 0

@@ -98,6 +98,9 @@ from transformers.models.auto import modeling_auto
 
 modeling_auto.MODEL_MAPPING_NAMES["mhar"] = "MHARModel"
 modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["mhar"] = "MHARForCausalLM"
+modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES["mhar"] = "MHARForSequenceClassification"
+modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES["mhar"] = "MHARForQuestionAnswering"
+modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES["mhar"] = "MHARForTokenClassification"
 
 _MARKERS = (
     "generate", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test",
