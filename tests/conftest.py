@@ -14,6 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# transformers' own model tests run against MHAR from a scratch copy (transformers_suite/README.md),
+# never in this suite.
+collect_ignore = ["transformers_suite"]
+
+# A subprocess still running after this long has hung. Never a speed check: a loaded CI machine
+# may be many times slower than a quiet one.
+HANG_GUARD_S = 1800
+
 REAL_CONFIGS = Path(__file__).parent / "fixtures" / "real_configs"
 REAL_CONFIG_NAMES = sorted(p.stem for p in REAL_CONFIGS.glob("*.json"))
 

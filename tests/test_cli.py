@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from test_modeling import build, randomise_routing
 
 from mhar_cli import main
@@ -55,7 +56,7 @@ def test_help_and_info_start_without_torch(tmp_path):
               f"assert main(['info', {str(tmp_path)!r}]) == 0\n"
               "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
               "print('heavy:', heavy)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr
     assert "heavy: []" in result.stdout and "routing" in result.stdout and "COMMAND" in result.stdout
 

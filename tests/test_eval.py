@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 
 from mhar_cli import main
 from mhar_hf.compare import compare_runs
@@ -179,7 +180,7 @@ def test_plain_lm_eval_cli_loads_the_folder_through_remote_code(run_a, workspace
                "--tasks", "gsm8k_local", "--include_path", str(run_a / "tasks"), "--limit", str(LIMIT),
                "--device", "cpu", "--batch_size", "4", "--gen_kwargs", "max_gen_toks=8",
                "--output_path", str(tmp_path / "out"), "--log_samples"]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-3000:]
     [samples_file] = (tmp_path / "out").rglob("samples_gsm8k_local_*.jsonl")
     theirs = {(s["doc_id"], s["filter"]): s["resps"] for s in read_samples(samples_file)}

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from test_modeling import build, randomise_routing
 
 from mhar_hf import save_remote_code
@@ -39,7 +40,7 @@ def test_remote_code_bundle_loads_without_the_package(mode, tmp_path):
     env.pop("TRITON_INTERPRET", None)
     # run from an empty folder so that the repository checkout is not importable either
     result = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "model"), str(tmp_path / "expected.pt")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote-code load OK" in result.stdout
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import HANG_GUARD_S
 
 from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, kernels, track
 from mhar_hf.routing import Read, route, route_group, route_reference
@@ -919,7 +920,7 @@ def test_fitting_programs_follow_the_multiprocessor_limits(monkeypatch, register
 def run_without_interpreter(script: str) -> subprocess.CompletedProcess:
     """A Python script run in a fresh process with TRITON_INTERPRET unset (this process set it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_kernels_compile_for_sm90():

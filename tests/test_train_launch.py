@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from train_setup import converted_model_and_corpus, launch_command, read_metrics, run_launch, train_args
 
 
@@ -31,12 +32,12 @@ def start_run(args: list[str], cache) -> subprocess.Popen:
 def kill_between_checkpoints(process: subprocess.Popen, output) -> int:
     """SIGKILL the launcher and both workers once the run is past its first checkpoint."""
     metrics_file = output / "metrics.jsonl"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline and process.poll() is None:
         lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
         if len(lines) >= SAVE_EVERY + 2:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            process.wait(timeout=HANG_GUARD_S)
             return len(lines)
         time.sleep(0.01)
     raise AssertionError(f"the run ended before it could be killed: {process.communicate()[0][-3000:]}")
@@ -52,7 +53,7 @@ def launch_runs(setup):
     victim = start_run(train_args(model, data, killed, *options), cache)
     killed_after = kill_between_checkpoints(victim, killed)
     assert killed_after < STEPS and not (killed / "model").exists()
-    log = reference.communicate(timeout=240)[0]
+    log = reference.communicate(timeout=HANG_GUARD_S)[0]
     assert reference.returncode == 0, log[-4000:]
     resumed = run_launch(train_args(model, data, killed, *options, "--resume"), cache)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -91,7 +92,7 @@ def check_trained_model(setup, uninterrupted):
         "assert 'mhar_hf' not in sys.modules and type(m).__name__ == 'MHARForCausalLM'\n"
         f"t = AutoTokenizer.from_pretrained({str(final)!r}); print(len(t))\n"
     )
-    check = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    check = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert check.returncode == 0, check.stderr[-3000:]
 
     trained = AutoModelForCausalLM.from_pretrained(final)

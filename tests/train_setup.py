@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import shrunk_real_config
+from conftest import HANG_GUARD_S, shrunk_real_config
 
 CPU_SMOKE_CONFIG = Path(__file__).parents[1] / "training" / "configs" / "cpu_smoke.yaml"
 NOT_CONFIG_FIELDS = {"architectures", "model_type", "transformers_version", "torch_dtype"}
@@ -79,7 +79,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_launch(args: list[str], datasets_cache: Path, processes: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_launch(args: list[str], datasets_cache: Path, processes: int = 2, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     command, env = launch_command(args, datasets_cache, processes)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
