@@ -27,6 +27,7 @@ from plan import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
+TOKENS_PER_PARAMETER = 20  # the least budget per non-embedding parameter at which the comparison means much
 ARM_FILES = {"run/metrics.jsonl": "metrics.jsonl", "info.json": "info.json", "run/model/mhar_training.json": "training.json",
              "step0.json": "step0.json", "calibration/metrics.jsonl": "calibration.jsonl"}
 
@@ -183,6 +184,15 @@ def claims(arms: dict, noise: float | None) -> list[str]:
     ]
 
 
+def rerun_estimate(budget: dict, tokens: int) -> str:
+    """Device time of the from-scratch arms and seeds at `tokens` each, at the speeds measured alone."""
+    speeds = budget["calibration_tokens_per_s"]
+    names = FROM_SCRATCH + [b for _, b in SEED_PAIRS]
+    seconds = sum(tokens / (speeds["plain"] if ARMS[n].mode == "standard" else speeds["full-h8"]) for n in names)
+    return (f"At the speeds measured alone that is about {seconds / 60:.0f} minutes of training on "
+            f"{budget['device']} for the {len(names)} from-scratch arms, plus start-up and the mid-training runs.")
+
+
 def plan_section() -> list[str]:
     return [
         "## Plan",
@@ -296,6 +306,11 @@ def write_page(results: Path, out: Path) -> str:
     missing = [n for n in FROM_SCRATCH + [b for _, b in SEED_PAIRS] + MIDTRAIN if not (arms.get(n) and arms[n]["finished"])]
     lines += ["## Still to run", "", ("Every arm has run." if not missing else "Arms without a finished run: "
                                       + ", ".join(f"`{n}`" for n in missing) + ".")]
+    if budget and budget["tokens_per_arm"] < TOKENS_PER_PARAMETER * params:
+        lines += ["", f"The budget ({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter) is below the "
+                  f"{TOKENS_PER_PARAMETER} the comparison needs ({TOKENS_PER_PARAMETER * params / 1e6:.0f}M tokens per arm at "
+                  "this shape): at it the arms are early in training, so every arm has to run again at that budget "
+                  "before the comparison answers the question. " + rerun_estimate(budget, TOKENS_PER_PARAMETER * params)]
     text = "\n".join(lines) + "\n"
     out.write_text(text)
     return text

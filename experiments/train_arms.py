@@ -75,6 +75,8 @@ def train_command(arm_name: str, model: Path, corpus: Path, output: Path, shape:
     arm, recipe = ARMS[arm_name], RECIPES[shape]
     opt = MIDTRAIN_OPTIMISER if arm.midtrain else OPTIMISER
     warmup = min(steps - 1, max(1, round(steps * recipe["warmup_fraction"])))
+    log_every = min(LOG_EVERY[shape], steps)
+    eval_every = max(1, steps // recipe["evals"] // log_every) * log_every  # validation runs on logged steps only
     return [
         *MHAR, "train", "--model", str(model), "--tokenizer", str(corpus / "tokenizer"),
         "--data", str(corpus / "train.jsonl"), "--val-data", str(corpus / "val.jsonl"), "--output", str(output),
@@ -86,8 +88,8 @@ def train_command(arm_name: str, model: Path, corpus: Path, output: Path, shape:
         "--warmup-steps", str(warmup), "--weight-decay", str(opt["weight_decay"]),
         "--adam-betas", *map(str, opt["adam_betas"]), "--clip", str(opt["clip"]),
         "--mixed-precision", "bf16" if torch.cuda.is_available() else "no",
-        "--eval-every", str(max(1, steps // recipe["evals"])), "--save-every", str(max(1, steps // 4)),
-        "--keep-last", "1", "--log-every", str(min(LOG_EVERY[shape], steps)), "--report-to", "none", "--resume",
+        "--eval-every", str(eval_every), "--save-every", str(max(1, steps // 4)),
+        "--keep-last", "1", "--log-every", str(log_every), "--report-to", "none", "--resume",
     ]
 
 
