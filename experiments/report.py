@@ -82,6 +82,17 @@ def describe(name: str) -> str:
     return f"{arm.mode}, H = {arm.heads}" + (f", {arm.block_layers}-layer blocks" if arm.block_layers else "")
 
 
+def at_once(info: dict) -> list[int]:
+    """How many arms trained at once beside this one (a list where its pieces ran in several sessions)."""
+    value = info.get("parallel", 1)
+    return value if isinstance(value, list) else [value]
+
+
+def pieces_note(info: dict) -> str:
+    pieces = info.get("pieces", [])
+    return f", {len(pieces)} pieces" if len(pieces) > 1 else ""
+
+
 def seed_of(name: str) -> int:
     return MIDTRAIN_SEED if ARMS[name].midtrain else ARMS[name].seed
 
@@ -93,13 +104,14 @@ def verdict(delta: float, noise: float | None) -> str:
 
 
 def results_table(arms: dict, names: list[str], baseline: str, noise: float | None, params: int) -> list[str]:
-    lines = ["| arm | residual | seed | val loss | vs " + baseline + " | tokens | tokens / param | wall s | tokens/s | peak GiB | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | residual | seed | val loss | vs " + baseline + " | tokens | tokens / param | wall s | arms at once | "
+             "tokens/s | peak GiB | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = arms.get(baseline)
     for name in names:
         arm = arms.get(name)
         if arm is None:
-            lines.append(f"| {name} | {describe(name)} | {seed_of(name)} | | | | | | | | not run yet |")
+            lines.append(f"| {name} | {describe(name)} | {seed_of(name)} | | | | | | | | | not run yet |")
             continue
         loss = arm["val_loss"]
         if base and base["finished"] and name != baseline and loss is not None:
@@ -109,8 +121,9 @@ def results_table(arms: dict, names: list[str], baseline: str, noise: float | No
             gap = ""
         lines.append(
             f"| {name} | {describe(name)} | {seed_of(name)} | {loss:.4f} | {gap} | {arm['tokens'] / 1e6:.1f}M | "
-            f"{arm['tokens'] / params:.1f} | {arm['wall_s'] or 0:.0f} | {arm['tokens_per_s']:,.0f} | {arm['peak_gib']:.1f} | "
-            f"{'finished' if arm['finished'] else 'incomplete'} |"
+            f"{arm['tokens'] / params:.1f} | {arm['wall_s'] or 0:.0f} | {', '.join(map(str, at_once(arm['info'])))} | "
+            f"{arm['tokens_per_s']:,.0f} | {arm['peak_gib']:.1f} | "
+            f"{'finished' if arm['finished'] else 'incomplete'}{pieces_note(arm['info'])} |"
         )
     return lines
 
@@ -128,10 +141,12 @@ def plot(arms: dict, path: Path) -> None:
             arm = arms.get(name)
             if not arm or not arm["val_curve"]:
                 continue
-            tokens, losses = zip(*arm["val_curve"])
-            start = [(0, arm["step0"]["converted_val_loss"])] if arm["step0"] else []
-            if start:
-                tokens, losses = (0, *tokens), (start[0][1], *losses)
+            curve = arm["val_curve"]
+            source = arms.get(ARMS[name].convert_from or "")
+            if ARMS[name].midtrain and source and source["val_curve"]:  # continues where the source ended
+                offset, start = source["val_curve"][-1]
+                curve = [(offset, start)] + [(offset + t, v) for t, v in curve]
+            tokens, losses = zip(*curve)
             ax.plot([t / 1e6 for t in tokens], losses, marker=".", label=name,
                     linestyle="--" if "seed1" in name else "-")
         ax.set_xlabel("training tokens (M)")
@@ -148,7 +163,32 @@ def plot(arms: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def claims(arms: dict, noise: float | None) -> list[str]:
+def observations(arms: dict, noise: float | None, params: int, budget: dict | None) -> list[str]:
+    """Plain statements read off the finished from-scratch arms."""
+    done = {n: arms[n] for n in FROM_SCRATCH if arms.get(n) and arms[n]["finished"]}
+    lines = []
+    if budget and budget["tokens_per_arm"] < TOKENS_PER_PARAMETER * params:
+        lines.append(f"- Every arm is early in training ({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding "
+                     "parameter): these are losses after the first few million tokens, not where the schemes end up.")
+    if noise is not None:
+        lines.append(f"- Two seeds of the same arm differ by up to {noise:.3f} in final loss here, so only gaps well "
+                     "above that mean anything.")
+    heads = [(ARMS[n].heads, done[n]["val_loss"]) for n in ("full-h1", "full-h4", "full-h8", "full-h16") if n in done]
+    if len(heads) >= 3:
+        order = " < ".join(f"H = {h}" for h, _ in sorted(heads, key=lambda hv: hv[1]))
+        lines.append(f"- Full mode by loss, lowest first: {order}.")
+    if "plain" in done:
+        beat = [n for n in done if n != "plain" and noise is not None and done["plain"]["val_loss"] - done[n]["val_loss"] > noise]
+        if beat:
+            lines.append(f"- Below plain by more than the seed noise: {', '.join(f'`{n}`' for n in beat)}.")
+    if "full-h1" in done and "full-h8" in done and at_once(done["full-h1"]["info"]) == at_once(done["full-h8"]["info"]):
+        lines.append(f"- Speed, trained side by side ({at_once(done['full-h8']['info'])[0]} arms at once): full H = 1 "
+                     f"{done['full-h1']['tokens_per_s']:,.0f} tokens/s, full H = 8 {done['full-h8']['tokens_per_s']:,.0f} "
+                     "(`mhar train` runs the model eagerly, without torch.compile).")
+    return lines
+
+
+def claims(arms: dict, noise: float | None, results: Path) -> list[str]:
     """The paper's directions against what these runs show."""
     def loss(name):
         arm = arms.get(name)
@@ -166,12 +206,12 @@ def claims(arms: dict, noise: float | None) -> list[str]:
         shape = f"best H = {best}; " + ", ".join(f"H={h}: {v:.4f}" for h, v in heads)
     else:
         shape = "not run yet"
-    source = arms.get("midtrain-delta-h8")
+    step0_record = read_json(results / "midtrain-delta-h8" / "step0.json")
     if loss("midtrain-delta-h8") is not None and loss("midtrain-plain") is not None:
         mid = compare("midtrain-delta-h8", "midtrain-plain")
     else:
         mid = "not run yet"
-    step0 = ("identical" if source["step0"]["identical"] else "DIFFERENT") if source and source["step0"] else "not run yet"
+    step0 = ("identical" if step0_record["identical"] else "DIFFERENT") if step0_record else "not run yet"
     return [
         "| claim | the paper (much larger budgets) | here |",
         "|---|---|---|",
@@ -206,10 +246,25 @@ def plan_section() -> list[str]:
         f"{', '.join(f'`{b}`' for _, b in SEED_PAIRS)}; the first session measures plain and full H = 8 alone "
         "(`--calibrate`) and fixes the token budget per arm for all later sessions (`results/budget.json`).",
         f"2. Mid-training: {', '.join(f'`{n}`' for n in MIDTRAIN)}, at the same budget.",
-        "3. Larger budgets and the 100M preset are the next step: at this size each arm sees a few tens of "
-        "millions of tokens, where gaps between residual schemes are small and easily within noise.",
+        f"3. Then the same arms at {TOKENS_PER_PARAMETER} tokens per non-embedding parameter or more, and the 100M "
+        "preset: early in training, gaps between residual schemes say little about where they end.",
         "",
     ]
+
+
+TRAINING_CODE = ["mhar_hf/train", "mhar_hf/modeling_mhar.py", "mhar_hf/routing.py", "mhar_hf/ops"]
+
+
+def commit_note(commits: list[str]) -> str:
+    """What the commit labels mean, and whether the model and training code differ between them."""
+    note = " (A+B: the package at A, run with `experiments/` at B.)" if any("+" in c for c in commits) else ""
+    packages = sorted({c.split("+")[0] for c in commits if c != "?"})
+    if len(packages) > 1:
+        changed = subprocess.run(["git", "diff", "--name-only", packages[0], packages[-1], "--", *TRAINING_CODE],
+                                 cwd=REPO, capture_output=True, text=True).stdout.split()
+        note += (f" Model and training files changed between {packages[0]} and {packages[-1]}: "
+                 + (", ".join(f"`{f}`" for f in changed) or "none") + ".")
+    return note
 
 
 def git_commit() -> str:
@@ -238,7 +293,7 @@ def write_page(results: Path, out: Path) -> str:
         "",
         f"Regenerated by `python experiments/report.py` on {date.today().isoformat()} (tree {git_commit()}) from "
         "`experiments/results/`. Runs: " + (", ".join(dates) or "none yet") + "; device: " + (", ".join(devices) or "none")
-        + "; commit the runs trained at: " + (", ".join(commits) or "none") + ".",
+        + "; commit the runs trained at: " + (", ".join(commits) or "none") + "." + commit_note(commits),
         "How to rerun, and the plan, are in `experiments/README.md`.",
         "",
         "## Setup",
@@ -266,7 +321,7 @@ def write_page(results: Path, out: Path) -> str:
             f"({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter), fitted to the GPU time at hand. "
             f"Measured alone on {budget['device']}: plain {speeds['plain']:,.0f} tokens/s, full H = 8 "
             f"{speeds['full-h8']:,.0f} tokens/s ({speeds['full-h8'] / speeds['plain']:.2f}x; `mhar train`, eager, no compile).")
-    parallel = sorted({a["info"].get("parallel", 1) for a in arms.values()})
+    parallel = sorted({n for a in arms.values() for n in at_once(a["info"])})
     lines += [
         "",
         "## From scratch",
@@ -281,11 +336,15 @@ def write_page(results: Path, out: Path) -> str:
          f"{noise:.4f}. A gap no larger than that is marked within seed noise." if noise is not None
          else "Seed noise: the second-seed arms have not run yet, so no gap can be called significant."),
         "",
+        "## What these runs show",
+        "",
+        *observations(arms, noise, params, budget),
+        "",
         "## The paper's directions, side by side",
         "",
         "The paper's numbers come from budgets thousands of times larger; compare directions and gaps, not losses.",
         "",
-        *claims(arms, noise),
+        *claims(arms, noise, results),
         "",
         "## Mid-training in miniature",
         "",
@@ -297,11 +356,15 @@ def write_page(results: Path, out: Path) -> str:
         *results_table(arms, MIDTRAIN, "midtrain-plain", noise, params),
         "",
     ]
-    step0 = arms.get("midtrain-delta-h8", {}) and arms["midtrain-delta-h8"]["step0"]
+    step0 = read_json(results / "midtrain-delta-h8" / "step0.json")
     if step0:
         lines += [f"Step 0: source {step0['source_val_loss']:.6f}, converted {step0['converted_val_loss']:.6f} "
                   f"({'identical' if step0['identical'] else 'different'}).", ""]
     lines += [f"![validation loss curves]({picture.name})", ""]
+    sparse = [n for n, a in arms.items() if not ARMS[n].midtrain and 0 < len(a["val_curve"]) < RECIPES[shape]["evals"] // 2]
+    if sparse:
+        lines += ["Validated at fewer steps than the others (their runs set a coarser `--eval-every`): "
+                  + ", ".join(f"`{n}` ({len(arms[n]['val_curve'])} points)" for n in sparse) + ".", ""]
     lines += plan_section()
     missing = [n for n in FROM_SCRATCH + [b for _, b in SEED_PAIRS] + MIDTRAIN if not (arms.get(n) and arms[n]["finished"])]
     lines += ["## Still to run", "", ("Every arm has run." if not missing else "Arms without a finished run: "
