@@ -318,7 +318,8 @@ def write_page(results: Path, out: Path) -> str:
         speeds = budget["calibration_tokens_per_s"]
         lines.append(
             f"- Budget: {budget['tokens_per_arm'] / 1e6:.1f}M tokens per from-scratch arm "
-            f"({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter), fitted to the GPU time at hand. "
+            f"({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter), fitted by `--calibrate` to the GPU "
+            "time its session had left. "
             f"Measured alone on {budget['device']}: plain {speeds['plain']:,.0f} tokens/s, full H = 8 "
             f"{speeds['full-h8']:,.0f} tokens/s ({speeds['full-h8'] / speeds['plain']:.2f}x; `mhar train`, eager, no compile).")
     parallel = sorted({n for a in arms.values() for n in at_once(a["info"])})
@@ -332,6 +333,7 @@ def write_page(results: Path, out: Path) -> str:
         "",
         *results_table(arms, FROM_SCRATCH + [b for _, b in SEED_PAIRS], "plain", noise, params),
         "",
+        *[f"`{n}`: {a['info']['note']}.\n" for n, a in arms.items() if a["info"].get("note")],
         ("Seed noise (largest final-loss gap between the two seeds of plain and of full H = 8): "
          f"{noise:.4f}. A gap no larger than that is marked within seed noise." if noise is not None
          else "Seed noise: the second-seed arms have not run yet, so no gap can be called significant."),
