@@ -64,9 +64,10 @@ def _cell(value) -> str:
     if isinstance(value, list):
         if not value:
             return "none"
-        return ", ".join(map(str, value)) if len(value) <= 8 else f"{len(value)} items"
+        separator = "; " if any(isinstance(item, dict) for item in value) else ", "
+        return separator.join(map(_cell, value)) if len(value) <= 8 else f"{len(value)} items"
     if isinstance(value, dict):
-        text = json.dumps(value, separators=(", ", ": "))
+        text = ", ".join(f"{key}: {_cell(item)}" for key, item in value.items())
         return text if len(text) <= 120 else f"{len(value)} fields"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
@@ -172,11 +173,12 @@ def _comparisons(runs: list, baselines: list) -> list[dict]:
 
 
 def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str | None = None,
-               baselines: list | None = None) -> str:
+               baselines: list | None = None, log=print) -> str:
     """The README.md text for the model in `model_dir`; `runs` default to DIR/eval/* run folders.
 
     `baselines` are runs of another model (the source, say) on the same items: the card then
-    shows the paired comparison (discordant counts, exact McNemar p) with each."""
+    shows the paired comparison (discordant counts, exact McNemar p) with each. `log` hears of
+    linked records that cannot be found."""
     import jinja2
 
     from .configuration_mhar import MHARConfig
@@ -194,7 +196,11 @@ def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str
     conversion = _read_json(folder / "mhar_conversion.json")
     training = _read_json(folder / "mhar_training.json")
     if conversion is None and training and training.get("source_model"):
-        conversion = _read_json(Path(training["source_model"]) / "mhar_conversion.json")
+        source = Path(training["source_model"])
+        conversion = _read_json(source / "mhar_conversion.json")
+        if not source.is_dir() and not hub_id(str(source)):
+            log(f"note: the model was trained from {source}, which is not there (moved, or a path relative to "
+                "another folder): the card has no Conversion section")
     base_model = hub_id((conversion or {}).get("source")) or hub_id((training or {}).get("source_model"))
     run_info = [_run_rows(Path(run), folder) for run in runs]
     counts = parameter_counts(folder) if any(folder.glob("*.safetensors")) else None
@@ -217,10 +223,10 @@ def build_card(model_dir: str | os.PathLike, runs: list | None = None, name: str
 
 
 def write_card(model_dir: str | os.PathLike, runs: list | None = None, name: str | None = None,
-               baselines: list | None = None, overwrite: bool = False) -> Path:
+               baselines: list | None = None, overwrite: bool = False, log=print) -> Path:
     """Write DIR/README.md; refuse to replace a README that `mhar card` did not write."""
     folder = Path(model_dir)
-    text = build_card(folder, runs, name, baselines)
+    text = build_card(folder, runs, name, baselines, log)
     out = folder / "README.md"
     if out.exists() and MARKER not in out.read_text(errors="replace") and not overwrite:
         raise FileExistsError(f"{out} exists and was not written by `mhar card`: pass --overwrite to replace it")

@@ -504,7 +504,12 @@ def routing_heatmap_png(report: dict) -> bytes:
 
 
 def head_deviation_png(report: dict) -> bytes:
-    """Per-head deviation from the heads' consensus across sites (or a note for single-head models)."""
+    return _png(head_deviation_figure(report))
+
+
+def head_deviation_figure(report: dict):
+    """Per-head deviation from the heads' consensus across sites (or a note for single-head
+    models); the legend stands right of the plot, clear of the data."""
     from matplotlib.figure import Figure
 
     sites, summary = report["sites"], report["summary"]
@@ -513,7 +518,7 @@ def head_deviation_png(report: dict) -> bytes:
     if summary["head_deviation"] is None:
         ax.text(0.5, 0.5, "single-head sites: no per-head deviation", ha="center", va="center")
         ax.set_axis_off()
-        return _png(figure)
+        return figure
     x = range(len(sites))
     for h, mean in enumerate(summary["head_deviation"]):
         deviations = [s["head_deviation"][h] for s in sites]
@@ -525,8 +530,8 @@ def head_deviation_png(report: dict) -> bytes:
     if summary["zero_queries"]:
         title += " (zero queries: uniform routing)"
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=6, ncols=2)
-    return _png(figure)
+    figure.legend(loc="outside right upper", fontsize=6)
+    return figure
 
 
 def write_outputs(report: dict, out: str | Path) -> list[Path]:

@@ -46,6 +46,20 @@ def test_demo_refuses_a_non_empty_workdir(tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
+def test_the_demo_says_where_its_files_are(tmp_path, monkeypatch, capsys):
+    """Never a temporary folder that is already gone."""
+    from mhar_hf.demo import pipeline
+
+    workdirs = []
+    monkeypatch.setattr(pipeline, "run_demo", lambda workdir, seed=0: workdirs.append(workdir))
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "now removed: pass --workdir DIR to keep them" in out and str(workdirs[0]) not in out
+    assert not workdirs[0].exists()
+    assert main(["demo", "--workdir", str(tmp_path / "kept")]) == 0
+    assert f"are in {tmp_path / 'kept'}" in capsys.readouterr().out
+
+
 def test_help_and_info_start_without_torch(tmp_path):
     """`mhar --help` and `mhar info` import neither torch nor transformers (seconds each), so
     they answer at once."""

@@ -369,3 +369,18 @@ def test_bad_input_gets_a_clear_error(saved_model, tmp_path, capsys):
         error = capsys.readouterr().err
         assert re.search(message, error), (args, error)
     assert not (saved_model / "probe").exists()  # nothing half-written
+
+
+def test_the_head_deviation_legend_stands_clear_of_the_data():
+    from mhar_hf.probe import head_deviation_figure
+
+    report = probe_model(randomly_routed("full"), tokens(), seq_len=16)
+    figure = head_deviation_figure(report)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    (legend,) = figure.legends
+    plot = figure.axes[0].get_window_extent(renderer)
+    assert not legend.get_window_extent(renderer).overlaps(plot)
+    assert len(legend.get_texts()) == len(report["summary"]["head_deviation"])

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,49 @@ def check_resumed_run(uninterrupted, output):
     assert not any(p.name.startswith(".tmp") for p in (output / "checkpoints").iterdir())
     a = (uninterrupted / "model" / "model.safetensors").read_bytes()
     assert a == (output / "model" / "model.safetensors").read_bytes()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_run_folder_in_use_is_refused_and_workers_stop_with_their_launcher(setup):
+    """Workers run in process sessions of their own: killing the launcher alone must still stop
+    them, and while they run, a second run (a resume, say) must not write into their folder."""
+    root, model, data = setup
+    output, cache = root / "held", root / "datasets-cache"
+    long = ("--max-steps", "1000", "--save-every", "1000", "--eval-every", "1000")
+    holder = start_run(train_args(model, data, output, *long), cache)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not ((output / "metrics.jsonl").exists() and (output / "metrics.jsonl").read_text().strip()):
+        assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()[0][-3000:]
+        time.sleep(0.05)
+    workers = children(holder.pid)
+    assert len(workers) == 2
+
+    second = run_launch(train_args(model, data, output, "--max-steps", "4", "--resume"), cache)
+    assert second.returncode != 0
+    assert "is in use by a run that is still going" in second.stdout + second.stderr
+
+    os.kill(holder.pid, signal.SIGKILL)  # the launcher alone, not its process group
+    holder.wait(timeout=HANG_GUARD_S)
+    while any(running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the workers outlived their launcher"
+        time.sleep(0.1)
+    assert not (output / "model").exists()  # they stopped, rather than finishing the 1000 steps

@@ -3,6 +3,7 @@ and bad input failing with a clear message before any training step."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from train_setup import converted_model_and_corpus, read_metrics, train_args
 
 from mhar_cli import main as cli
 from mhar_hf.tiny import demo_corpus, tiny_config, train_tokenizer
+
+NOT_LLAMA_FIELDS = ("auto_map", "model_type", "architectures", "qk_norm", "qkv_bias", "transformers_version")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,7 @@ def expect_error(capsys, setup, name, *extra, match, model=None, data=None):
     assert cli(["train", *args]) == 2
     message = capsys.readouterr().err
     assert match in message, message
-    assert not output.exists() or not any((output / m).exists() for m in ("metrics.jsonl", "checkpoints", "model"))
+    assert not output.exists()  # a refused run creates nothing
 
 
 def test_bad_input_fails_before_training(setup, capsys, tmp_path):
@@ -176,3 +179,62 @@ def test_bad_input_fails_before_training(setup, capsys, tmp_path):
     done = run(setup, "done", steps=3)
     assert cli(["train", *train_args(model, data, done, "--max-steps", "3")]) == 2
     assert "holds a previous run: pass --resume" in capsys.readouterr().err
+
+
+def test_the_saved_model_keeps_the_source_dtype(setup, tmp_path):
+    """Training runs on fp32 master weights; a bf16 source is saved back in bf16 unless asked."""
+    from transformers import AutoModelForCausalLM
+
+    root, model, data = setup
+    bf16 = tmp_path / "bf16-source"
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(bf16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model / name, bf16 / name)
+    for extra, dtype in (((), torch.bfloat16), (("--save-dtype", "float32"), torch.float32)):
+        output = run((root, bf16, data), f"dtype-{dtype}", *extra, steps=3)
+        assert {t.dtype for t in weights(output / "model").values()} == {dtype}
+        assert json.loads((output / "model" / "config.json").read_text())["dtype"] == str(dtype).split(".")[1]
+        assert json.loads((output / "model" / "mhar_training.json").read_text())["saved_dtype"] == str(dtype).split(".")[1]
+
+
+def plain_llama(folder: Path, like: Path) -> Path:
+    """A LlamaForCausalLM with the backbone config of the MHAR model `like`, and its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in json.loads((like / "config.json").read_text()).items()
+              if not k.startswith(("residual_", "routing_")) and k not in NOT_LLAMA_FIELDS}
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(like / name, folder / name)
+    return folder
+
+
+def test_a_plain_model_trains_as_a_control_run_and_says_so(setup, tmp_path, capsys):
+    root, model, data = setup
+    plain = plain_llama(tmp_path / "plain-llama", model)
+    capsys.readouterr()
+    run((root, plain, data), "control", steps=3)
+    assert "training a plain llama model (no routing parameters): a control run" in capsys.readouterr().out
+    run(setup, "delta-says-so", steps=3)
+    assert "training an MHAR model: delta mode, H=4" in capsys.readouterr().out
+
+
+def test_the_record_names_the_source_by_its_full_path(setup, tmp_path, monkeypatch, tokenizer):
+    """A record read from another folder still finds the source (the card's Conversion section),
+    and the card says so when the source has gone."""
+    from mhar_hf.card import build_card
+    from mhar_hf.convert import convert_checkpoint
+
+    root, model, data = setup
+    source = plain_llama(tmp_path / "llama", model)
+    converted = convert_checkpoint(source, tmp_path / "converted", heads=4, num_blocks=2, log=lambda _: None)
+    monkeypatch.chdir(tmp_path)
+    output = run((root, Path("converted"), data), "relative", steps=3)
+    record = json.loads((output / "model" / "mhar_training.json").read_text())
+    assert record["source_model"] == str(converted.resolve()) and Path(record["data"][0]).is_absolute()
+    monkeypatch.chdir(root)
+    notes = []
+    assert "## Conversion" in build_card(output / "model", log=notes.append) and not notes
+    shutil.rmtree(converted)
+    assert "## Conversion" not in build_card(output / "model", log=notes.append)
+    assert len(notes) == 1 and "which is not there" in notes[0]

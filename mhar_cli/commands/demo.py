@@ -21,7 +21,9 @@ def run(args) -> int:
         if args.workdir.exists() and any(args.workdir.iterdir()):
             raise FileExistsError(f"--workdir {args.workdir} is not empty: choose a new folder")
         run_demo(args.workdir, seed=args.seed)
+        print(f"the demo's models and runs are in {args.workdir}")
         return 0
     with tempfile.TemporaryDirectory(prefix="mhar-demo-") as tmp:
         run_demo(Path(tmp), seed=args.seed)
+    print("the demo's models and runs were in a temporary folder, now removed: pass --workdir DIR to keep them")
     return 0

@@ -125,5 +125,5 @@ def run_demo(workdir: Path, seed: int = 0, report: Callable[[str], None] = print
         t0 = time.perf_counter()
         summary = step(ctx)
         report(f"[{index}/{len(STEPS)}] {name} ({time.perf_counter() - t0:.1f}s): {summary}")
-    report(f"demo finished in {time.perf_counter() - started:.1f}s; files in {ctx.workdir}")
+    report(f"demo finished in {time.perf_counter() - started:.1f}s")
     return ctx

@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt.add_argument("--lora-targets", default=LORA_TARGETS, help="comma-separated module names")
     opt.add_argument("--merge-lora", action="store_true", help="save a merged full model instead of the adapter")
 
+    saved = parser.add_argument_group("saved model")
+    saved.add_argument("--save-dtype", choices=("source", "float32", "bfloat16", "float16"), default="source",
+                          help="dtype of the saved model: `source` keeps the --model folder's (its config's dtype)")
+
     log = parser.add_argument_group("checkpoints and logging")
     log.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (and at the end)")
     log.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
@@ -67,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return add_arguments(argparse.ArgumentParser(prog="python -m mhar_hf.train", description="Mid-train an MHAR model"))
+    parser = argparse.ArgumentParser(prog="python -m mhar_hf.train", description="Mid-train an MHAR model",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_arguments(parser)
 
 
 def check_arguments(args: argparse.Namespace) -> None:

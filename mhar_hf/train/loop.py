@@ -28,24 +28,9 @@ from .checkpoint import (
 )
 from .data import build_corpus, check_sources
 from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss, is_routing_parameter
+from .run_folder import check_output, run_folder, stop_with_launcher
 
-RUN_MARKERS = ("checkpoints", "metrics.jsonl", "model")
 METADATA_FILE = "mhar_training.json"
-
-
-def prepare_output(output: Path, resume: bool) -> None:
-    """Make sure the run folder can be written, and that a previous run is only continued on purpose."""
-    if output.exists() and not output.is_dir():
-        raise ValueError(f"--output {output} is a file, not a folder: choose a folder path")
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        probe = output / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"--output {output} is not writable ({error.strerror or error}): choose a folder you can write to") from None
-    if not resume and any((output / name).exists() for name in RUN_MARKERS):
-        raise FileExistsError(f"--output {output} holds a previous run: pass --resume to continue it, or choose a new folder")
 
 
 def check_model_and_tokenizer(config, tokenizer, seq_length: int) -> None:
@@ -146,18 +131,48 @@ def _tracker_config(args) -> dict:
 
 def train(args) -> Path:
     """Run mid-training as `args` says (see `args.py`); returns the final model folder."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    import mhar_hf  # noqa: F401  registers the MHAR Auto classes
-
+    stop_with_launcher()
     check_arguments(args)
     check_sources(args.data)
     if args.val_data:
         check_sources(args.val_data)
     output = Path(args.output)
-    prepare_output(output, args.resume)
+    check_output(output, args.resume)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    source_config = AutoConfig.from_pretrained(args.model)
+    check_model_and_tokenizer(source_config, tokenizer, args.seq_length)
+    save_dtype = saved_dtype(args.save_dtype, source_config)
+    with run_folder(output, is_main=int(os.environ.get("RANK", "0")) == 0):
+        return _train(args, output, tokenizer, save_dtype)
+
+
+def saved_dtype(choice: str, source_config) -> torch.dtype:
+    """The dtype of the saved model: the source's (as its config records it) unless asked."""
+    if choice != "source":
+        return getattr(torch, choice)
+    recorded = getattr(source_config, "dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) else torch.float32
+
+
+def describe(config) -> str:
+    """What is being trained, in a line: an MHAR model's residual mode, or a plain model."""
+    mode = getattr(config, "residual_mode", "standard") if config.model_type == "mhar" else None
+    if mode in (None, "standard"):
+        return (f"training a plain {config.model_type} model (no routing parameters): a control run; "
+                "`mhar convert` makes an MHAR delta model of it")
+    blocks = "" if mode == "full" else f", {config.layers_per_block} layers a block"
+    return f"training an MHAR model: {mode} mode, H={config.residual_heads}{blocks}"
+
+
+def _train(args, output: Path, tokenizer, save_dtype: torch.dtype) -> Path:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+    from transformers import AutoModelForCausalLM
+
 
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
@@ -168,8 +183,6 @@ def train(args) -> Path:
         raise ValueError("--lora-rank runs with DDP or on one device, not with FSDP: a LoRA model's frozen backbone fits one GPU")
     set_seed(args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    check_model_and_tokenizer(AutoConfig.from_pretrained(args.model), tokenizer, args.seq_length)
     with accelerator.main_process_first():
         corpus = build_corpus(
             args.data, tokenizer, args.seq_length, args.val_sequences, args.seed, text_field=args.text_field,
@@ -179,6 +192,7 @@ def train(args) -> Path:
         )
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+    accelerator.print(describe(model.config))
     model.config.use_cache = False
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -208,7 +222,8 @@ def train(args) -> Path:
         accelerator.init_trackers("mhar-train", config=_tracker_config(args))
 
     last = run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state, output)
-    final = save_final_model(accelerator, model, tokenizer, ema, output, args, training_metadata(args, accelerator, state, last))
+    metadata = training_metadata(args, accelerator, state, last, save_dtype)
+    final = save_final_model(accelerator, model, tokenizer, ema, output, args, metadata, save_dtype)
     accelerator.end_training()
     return final
 
@@ -275,13 +290,19 @@ def run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state
     return last
 
 
-def training_metadata(args, accelerator, state: TrainerState, last: dict) -> dict:
+def _resolved(path) -> str:
+    """A path as an absolute one (records stay valid when read from elsewhere); a name of a
+    `datasets` dataset, which is no local path, as given."""
+    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
+def training_metadata(args, accelerator, state: TrainerState, last: dict, save_dtype: torch.dtype) -> dict:
     """What `mhar_training.json` records about the run."""
     import mhar_hf
 
     return {
-        "source_model": str(args.model), "steps": state.step, "tokens": state.tokens,
-        "data": [str(d) for d in args.data], "val_data": [str(d) for d in args.val_data or []],
+        "source_model": _resolved(args.model), "steps": state.step, "tokens": state.tokens,
+        "data": [_resolved(d) for d in args.data], "val_data": [_resolved(d) for d in args.val_data or []],
         "seq_length": args.seq_length,
         "global_batch_sequences": accelerator.num_processes * args.batch_size * args.grad_accum,
         "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type.value),
@@ -292,14 +313,19 @@ def training_metadata(args, accelerator, state: TrainerState, last: dict) -> dic
         "trainable": "routing" if args.train_only_routing else (f"lora-r{args.lora_rank}" if args.lora_rank else "all"),
         "lora_merged": bool(args.merge_lora) if args.lora_rank else None,
         "final_train_loss": last.get("loss"), "final_val_loss": last.get("val_loss"),
-        "mixed_precision": accelerator.mixed_precision, "mhar_hf_version": mhar_hf.__version__,
+        "mixed_precision": accelerator.mixed_precision, "saved_dtype": str(save_dtype).removeprefix("torch."),
+        "mhar_hf_version": mhar_hf.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: dict) -> Path:
-    """`OUT/model`: from_pretrained weights (the EMA when on; LoRA merged or as an adapter),
-    tokenizer, remote-code bundle and `mhar_training.json`, written to a temporary folder and renamed."""
+def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: dict,
+                     save_dtype: torch.dtype) -> Path:
+    """`OUT/model`: from_pretrained weights in `save_dtype` (the EMA when on; LoRA merged, or as
+    an adapter), tokenizer, remote-code bundle and `mhar_training.json`, written to a temporary
+    folder and renamed."""
+    from transformers import AutoConfig
+
     from ..remote_code import save_remote_code
 
     final, tmp = output / "model", output / ".tmp-model"
@@ -307,14 +333,23 @@ def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, met
     if ema is not None:
         ema.swap()
     unwrapped = accelerator.unwrap_model(model)
+    adapter = args.lora_rank and not args.merge_lora
     if args.lora_rank and args.merge_lora:
         unwrapped = unwrapped.merge_and_unload()
     state_dict = accelerator.get_state_dict(model) if not args.lora_rank else None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict)
+        if adapter:
+            unwrapped.save_pretrained(tmp)
+        else:
+            weights = state_dict if state_dict is not None else unwrapped.state_dict()
+            weights = {name: t.to(save_dtype) if t.is_floating_point() else t for name, t in weights.items()}
+            unwrapped.save_pretrained(tmp, state_dict=weights)
+            config = AutoConfig.from_pretrained(tmp)  # save_pretrained records the model's own dtype
+            config.dtype = save_dtype
+            config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if getattr(unwrapped.config, "model_type", None) == "mhar" and not (args.lora_rank and not args.merge_lora):
+        if getattr(unwrapped.config, "model_type", None) == "mhar" and not adapter:
             save_remote_code(tmp)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         if final.exists():
