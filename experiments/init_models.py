@@ -22,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan import ARMS, COMMON, DELTA_BLOCKS, RECIPES, SHAPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# The `mhar` command, run from this checkout (its package is `mhar_cli` where the tree has one).
-MHAR = [sys.executable, "-m", "mhar_cli" if (REPO / "mhar_cli" / "__main__.py").is_file() else "mhar_hf.cli"]
+MHAR = [sys.executable, "-m", "mhar_cli"]  # the `mhar` command, as this interpreter runs it
 
 
 def model_config(arm_name: str, shape: str, tokenizer):
