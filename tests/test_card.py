@@ -177,3 +177,17 @@ def test_refusals(tmp_path, tokenizer, converted, capsys):
     generated = (converted / "README.md").read_text()
     assert main(["card", str(converted)]) == 0  # a generated card is simply regenerated
     assert (converted / "README.md").read_text() == generated
+
+
+def test_a_verification_record_reads_as_text(converted):
+    """The converter's verification (a list of per-dtype results) renders as words, not as
+    Python reprs."""
+    record = json.loads((converted / "mhar_conversion.json").read_text())
+    record["verification"] = {"ok": True, "prompts": 3, "results": [
+        {"dtype": "float32", "max_abs_logit_diff": 0.0, "logits_equal": True, "generations_match": True},
+        {"dtype": "bfloat16", "max_abs_logit_diff": 0.0, "logits_equal": True, "generations_match": True}]}
+    (converted / "mhar_conversion.json").write_text(json.dumps(record))
+    _, body = split_card(build_card(converted))
+    row = next(line for line in body.splitlines() if line.startswith("| verification.results |"))
+    assert "{" not in row and "'" not in row
+    assert "dtype: float32, max_abs_logit_diff: 0, logits_equal: True, generations_match: True; dtype: bfloat16" in row
