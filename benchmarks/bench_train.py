@@ -4,7 +4,7 @@ their byte floor, on one CUDA GPU (issue 3).
     python benchmarks/bench_train.py                       # everything, ~8 min on an H200
     python benchmarks/bench_train.py --presets 100M --paths fused
 
-Both sides share this harness: the same preset shapes (DESIGN.md section 5), bf16 weights,
+Both sides share this harness: the same preset shapes (docs/method.md), bf16 weights,
 fused AdamW, SDPA attention and the same regional torch.compile (each decoder layer for the
 plain model; each layer's attention and MLP sublayers around the routing op for MHAR, whose
 layers take a different number of sources each). The baseline is the plain Transformer's

@@ -10,7 +10,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 RESIDUAL_MODES = ("standard", "full", "block", "delta")
 ROUTING_IMPLEMENTATIONS = ("auto", "reference", "fused")
 
-# The paper's shapes (DESIGN.md section 5). From-scratch presets use Qwen3-style blocks
+# The paper's shapes (docs/method.md). From-scratch presets use Qwen3-style blocks
 # (per-head q/k RMSNorm, tied embeddings, RoPE base 1e4); 8B is Llama-3.1-8B exactly.
 _FROM_SCRATCH = dict(
     vocab_size=151936,

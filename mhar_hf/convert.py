@@ -4,7 +4,7 @@
                        verify=False, overwrite=False)
 
 The converted model computes exactly what the source computes (every routing gate starts at
-zero, DESIGN.md section 2), so mid-training starts from the pretrained model itself.
+zero, docs/method.md), so mid-training starts from the pretrained model itself.
 
 How it works, and why:
 - Plan first, write second. The source config is mapped to an `MHARConfig` (anything it cannot

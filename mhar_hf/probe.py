@@ -1,5 +1,5 @@
 """The routing probe: what each head of each routing site reads, averaged over a text, and the
-paper's measures of how much heads and query slices disagree (DESIGN.md section 6).
+paper's measures of how much heads and query slices disagree (docs/method.md).
 
 `RoutingProbe` is a context manager that puts a forward pre-hook on every `MHARRouter` (in delta
 mode a router also observes the sites it reads ahead for). The hook only reads the sources and

@@ -1,6 +1,6 @@
 """Depth routing: the op every MHAR residual mode is built from.
 
-`route_reference` is the specification (DESIGN.md section 1), written for clarity in plain
+`route_reference` is the specification (docs/method.md), written for clarity in plain
 PyTorch. `route` is the one entry point the model calls; it picks an implementation.
 
 This file is copied flat into the trust_remote_code bundle, so it imports nothing from

@@ -6,7 +6,7 @@ read; it returns no source gradient. `DepthSource` marks a tensor that reads wil
 runs its backward only after every read of it has run its own, and there one kernel
 (`route_source_bwd_kernel`) turns all the records into the source's gradient. So each source
 gradient is summed in fp32 and written once, instead of being written by every read and added
-up by autograd (DESIGN.md section 4, the source-major backward). Marks made in order form a
+up by autograd (the source-major backward of docs/kernels.md). Marks made in order form a
 chain (`_Chain`), so a read's one autograd input, its newest source, is enough to order every
 source's backward after its own: no autograd edge or saved tensor per source it reads.
 `FusedRoutePair` and `FusedRouteEnd` are the two reads of a split pair (`fused_route_and_start`),

@@ -1,4 +1,4 @@
-"""Triton kernels of the routing op (DESIGN.md sections 1 and 4).
+"""Triton kernels of the routing op (docs/method.md states the op, docs/kernels.md the design).
 
 Layout: every program owns BLOCK_T token rows of width d, held as two tiles: each head's first
 DH_LO columns (DH_LO the largest power of two up to d/H) in SPLIT blocks (`[BLOCK_T, H_PAD,
