@@ -10,7 +10,7 @@ this module picks the tasks, runs them, and writes one *run folder*:
                                 `correct` (the primary metric on that item) added
     RUN/tasks/                  the resolved local task files used (see below)
 
-Offline use: `evaluation/tasks/` holds templates of tasks derived from the harness's own
+Offline use: `mhar_hf/tasks/` (package data) holds templates of tasks derived from the harness's own
 (`include:` + a local data source). `${LM_EVAL_TASKS}` stands for the installed harness's
 tasks folder and `${DATA_DIR}` for `data_dir`; each run writes resolved copies, with absolute
 paths, into RUN/tasks/, so what ran is on record and the folder works with the plain
@@ -30,6 +30,7 @@ import difflib
 import json
 import os
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -37,7 +38,7 @@ import yaml
 from mhar_cli.folder import built_in_place
 
 PAPER_TASKS = ("gsm8k", "gpqa_main_zeroshot")
-TASK_TEMPLATES = Path(__file__).resolve().parents[1] / "evaluation" / "tasks"
+TASK_TEMPLATES = Path(str(resources.files("mhar_hf") / "tasks"))  # package data
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
