@@ -3,6 +3,7 @@
 the shipped template) without reading anything from the repository."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_wheel_installed_outside_the_checkout_runs_the_demo(tmp_path):
+    source = tmp_path / "source"  # setuptools builds in the source folder: a copy keeps the checkout clean
+    for package in ("mhar_hf", "mhar_cli"):
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True,
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True,
                            timeout=HANG_GUARD_S)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("mhar_hf-*.whl")
