@@ -14,7 +14,35 @@ import socket
 import struct
 import tempfile
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
+
+
+# What the commands leave in a model folder, beside transformers' own files.
+CONVERSION_RECORD = "mhar_conversion.json"  # `mhar convert`: the source and how it was converted
+TRAINING_RECORD = "mhar_training.json"  # `mhar train` (in OUT/model): the source, data and settings
+PROBE_FOLDER = "probe"  # `mhar probe`'s default output folder, inside the model folder
+PROBE_FILES = ("probe.json", "routing_heatmap.png", "head_deviation.png")
+
+
+def utc_now() -> str:
+    """The date and time records carry: UTC, ISO 8601, to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write the file `path` whole or not at all: into a temporary file beside it, renamed over it."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        if isinstance(data, bytes):
+            partial.write_bytes(data)
+        else:
+            partial.write_text(data)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def read_mhar_config(path: str | os.PathLike) -> dict:

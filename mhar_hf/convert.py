@@ -30,20 +30,18 @@ import re
 import shutil
 import struct
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
-from mhar_cli.folder import built_in_place, safetensors_header
+from mhar_cli.folder import CONVERSION_RECORD, built_in_place, safetensors_header, utc_now
 
 from .configuration_mhar import MHARConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPE_CHOICES = ("keep", "bfloat16", "float32")
-PROVENANCE_FILE = "mhar_conversion.json"
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -642,9 +640,9 @@ def convert_checkpoint(
             "copied_files": copied,
             "verification": verification,
             "mhar_hf_version": __version__,
-            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "date": utc_now(),
         }
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        (tmp / CONVERSION_RECORD).write_text(json.dumps(provenance, indent=2) + "\n")
     log(f"wrote {dst}")
     return dst
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mhar_cli.folder import built_in_place
+from mhar_cli.folder import built_in_place, utc_now
 
 PAPER_TASKS = ("gsm8k", "gpqa_main_zeroshot")
 TASK_TEMPLATES = Path(str(resources.files("mhar_hf") / "tasks"))  # package data
@@ -320,7 +320,7 @@ def evaluate(
             "batch_size": str(batch_size),
             "mhar_hf_version": mhar_hf.__version__,
             "lm_eval_version": _version("lm_eval"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": utc_now(),
         }
         (partial / "results.json").write_text(
             json.dumps(merged, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")

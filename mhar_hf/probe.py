@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from mhar_cli.folder import read_mhar_config
+from mhar_cli.folder import PROBE_FILES, PROBE_FOLDER, read_mhar_config, write_atomically
 from .routing import routing_keys, routing_weights
 
 SLICES = 4
 NULL_DRAWS = 4
 MIN_TOKENS = 16
-OUTPUT_FILES = ("probe.json", "routing_heatmap.png", "head_deviation.png")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,7 +410,7 @@ def probe_folder(
     report = probe_model(model, ids, seq_len=seq_len, slices=slices, null_draws=null_draws, seed=seed)
     report["model"]["path"] = str(path)
     report["data"].update(file=str(data), requested_tokens=tokens)
-    out = Path(out) if out is not None else Path(path) / "probe"
+    out = Path(out) if out is not None else Path(path) / PROBE_FOLDER
     write_outputs(report, out)
     return report, out
 
@@ -537,25 +535,16 @@ def head_deviation_figure(report: dict):
 def write_outputs(report: dict, out: str | Path) -> list[Path]:
     """Write `probe.json`, `routing_heatmap.png` and `head_deviation.png` into `out`. Everything is
     rendered before anything is written, and each file is replaced atomically."""
-    contents = {
-        "probe.json": (json.dumps(report, indent=2) + "\n").encode(),
-        "routing_heatmap.png": routing_heatmap_png(report),
-        "head_deviation.png": head_deviation_png(report),
-    }
+    contents = dict(zip(PROBE_FILES, (json.dumps(report, indent=2) + "\n", routing_heatmap_png(report),
+                                      head_deviation_png(report)), strict=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
     for name, data in contents.items():
-        target = out / name
-        partial = target.with_name(f".{name}.partial")
-        partial.write_bytes(data)
-        os.replace(partial, target)
-        paths.append(target)
-    return paths
+        write_atomically(out / name, data)
+    return [out / name for name in contents]
 
 
 __all__ = [
-    "OUTPUT_FILES",
     "RoutingProbe",
     "find_routers",
     "format_table",

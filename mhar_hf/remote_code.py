@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mhar_cli.folder import read_mhar_config
+from mhar_cli.folder import read_mhar_config, write_atomically
 
 BUNDLE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "routing.py")
 AUTO_MAP = {
@@ -32,6 +32,4 @@ def save_remote_code(path: str | os.PathLike) -> None:
     for name in BUNDLE_FILES:
         shutil.copyfile(package / name, folder / name)
     config["auto_map"] = AUTO_MAP
-    tmp = config_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, config_file)
+    write_atomically(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")

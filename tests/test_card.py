@@ -64,7 +64,7 @@ def converted(tmp_path, tokenizer):
     model = save_tiny(tmp_path / "Tiny-MHAR", tokenizer, residual_mode="delta", residual_heads=8, residual_num_blocks=2)
     (model / "mhar_conversion.json").write_text(json.dumps({
         "source": SOURCE, "source_model_type": "llama", "heads": 8, "num_blocks": 2, "dtype": "keep",
-        "source_files": ["model.safetensors"], "mhar_hf_version": "0.1.0", "date_utc": "2026-12-02T00:00:00Z"}))
+        "source_files": ["model.safetensors"], "mhar_hf_version": "0.1.0", "date": "2026-12-02T00:00:00+00:00"}))
     return model
 
 

@@ -40,12 +40,14 @@ def step_train_llama(ctx: DemoContext, steps: int = LLAMA_STEPS) -> str:
 
 def step_convert(ctx: DemoContext) -> str:
     """Convert the Llama checkpoint into an MHAR delta model (H=4, 2 blocks)."""
-    from ..convert import PROVENANCE_FILE, convert_checkpoint
+    from mhar_cli.folder import CONVERSION_RECORD
+
+    from ..convert import convert_checkpoint
 
     path = convert_checkpoint(ctx.artifacts["llama_path"], ctx.workdir / "converted", heads=4, num_blocks=2,
                               log=lambda line: None)
     ctx.artifacts["converted_path"] = path
-    provenance = json.loads((path / PROVENANCE_FILE).read_text())
+    provenance = json.loads((path / CONVERSION_RECORD).read_text())
     return (f"{path}: {len(provenance['shards'])} shard(s), {provenance['routing_tensors']} routing tensors added "
             f"(zero gates), tokenizer and remote code copied")
 

@@ -15,7 +15,7 @@ MIDTRAIN_STEPS = 30
 
 def step_midtrain(ctx: DemoContext, steps: int = MIDTRAIN_STEPS) -> str:
     from ..train import build_parser, train
-    from ..train.loop import METADATA_FILE
+    from mhar_cli.folder import TRAINING_RECORD
 
     source = ctx.artifacts.get("converted_path") or ctx.artifacts["scratch_path"]
     data = ctx.workdir / "midtrain.jsonl"
@@ -30,7 +30,7 @@ def step_midtrain(ctx: DemoContext, steps: int = MIDTRAIN_STEPS) -> str:
     ])
     path = train(args)
     ctx.artifacts["midtrained_path"] = path
-    meta = json.loads((path / METADATA_FILE).read_text())
+    meta = json.loads((path / TRAINING_RECORD).read_text())
     metrics = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
     vals = [m["val_loss"] for m in metrics if "val_loss" in m]
     return (f"{meta['steps']} steps, {meta['tokens']:,} tokens: train loss {metrics[0]['loss']:.2f} -> "

@@ -13,10 +13,11 @@ import os
 import shutil
 import time
 from contextlib import nullcontext
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from mhar_cli.folder import TRAINING_RECORD, utc_now
 
 from .args import check_arguments
 from .checkpoint import (
@@ -29,9 +30,6 @@ from .checkpoint import (
 from .data import build_corpus, check_sources
 from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss, is_routing_parameter
 from .run_folder import check_output, run_folder, stop_with_launcher
-
-METADATA_FILE = "mhar_training.json"
-
 
 def check_model_and_tokenizer(config, tokenizer, seq_length: int) -> None:
     if len(tokenizer) > config.vocab_size:
@@ -315,7 +313,7 @@ def training_metadata(args, accelerator, state: TrainerState, last: dict, save_d
         "final_train_loss": last.get("loss"), "final_val_loss": last.get("val_loss"),
         "mixed_precision": accelerator.mixed_precision, "saved_dtype": str(save_dtype).removeprefix("torch."),
         "mhar_hf_version": mhar_hf.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
     }
 
 
@@ -351,7 +349,7 @@ def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, met
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped.config, "model_type", None) == "mhar" and not adapter:
             save_remote_code(tmp)
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        (tmp / TRAINING_RECORD).write_text(json.dumps(metadata, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -12,8 +12,9 @@ import signal
 import socket
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from mhar_cli.folder import utc_now
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "model")
 LOCK_FILE = ".mhar-train.lock"
@@ -45,8 +46,7 @@ def _lock(output: Path):
         return handle
     handle.seek(0)
     handle.truncate()
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": utc_now()}) + "\n")
     handle.flush()
     return handle
 
