@@ -3,7 +3,8 @@
 Kept apart from `mhar_hf`, whose import loads torch and transformers' model code (and registers
 the model with the Auto classes): `mhar --help` and `mhar info` start at once, and a command
 imports what it needs when it runs. Each subcommand is a module of `mhar_cli.commands` with a
-one-line `HELP`, `add_arguments(parser)` and `run(args)`.
+one-line `HELP`, `add_arguments(parser)` and `run(args)`; a command whose options may also come from a
+file adds `parse(parser, argv)`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         overview_parser().parse_args(argv)  # prints the commands, or says what is wrong, and exits
     words = 2 if " ".join(argv[:2]) in COMMANDS else 1
     name = " ".join(argv[:words])
-    args = command_parser(name).parse_args(argv[words:])
+    parser, module = command_parser(name), command_module(name)
+    args = module.parse(parser, argv[words:]) if hasattr(module, "parse") else parser.parse_args(argv[words:])
     try:
         return args.run(args) or 0
     except (FileNotFoundError, ValueError, FileExistsError, NotADirectoryError) as error:

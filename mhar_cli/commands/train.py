@@ -7,9 +7,16 @@ HELP = "mid-train a (converted) model; for several GPUs use accelerate launch -m
 
 
 def add_arguments(parser) -> None:
-    from mhar_hf.train.args import add_arguments
+    from mhar_hf.train.options import add_arguments
 
     add_arguments(parser)
+
+
+def parse(parser, argv):
+    """The options, under them those of a `--config` file."""
+    from mhar_hf.train.options import parse
+
+    return parse(parser, argv)
 
 
 def run(args) -> int:

@@ -2,12 +2,12 @@
 
 import sys
 
-from .args import build_parser
 from .loop import train
+from .options import build_parser, parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
     try:
         train(args)
     except (FileNotFoundError, ValueError, FileExistsError, NotADirectoryError) as error:

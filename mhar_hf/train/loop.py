@@ -19,7 +19,7 @@ import torch
 
 from mhar_cli.folder import TRAINING_RECORD, utc_now
 
-from .args import check_arguments
+from .options import check_options
 from .checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -128,11 +128,12 @@ def _tracker_config(args) -> dict:
 
 
 def train(args) -> Path:
-    """Run mid-training as `args` says (see `args.py`); returns the final model folder."""
+    """Run mid-training as `args` says (a `TrainOptions`, or the command line's namespace of the
+    same fields); returns the final model folder."""
     from transformers import AutoConfig, AutoTokenizer
 
     stop_with_launcher()
-    check_arguments(args)
+    check_options(args)
     check_sources(args.data)
     if args.val_data:
         check_sources(args.val_data)
