@@ -19,7 +19,6 @@ import torch
 
 from mhar_cli.folder import TRAINING_RECORD, utc_now
 
-from .options import check_options
 from .checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -29,7 +28,9 @@ from .checkpoint import (
 )
 from .data import build_corpus, check_sources
 from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss, is_routing_parameter
+from .options import check_options
 from .run_folder import check_output, run_folder, stop_with_launcher
+
 
 def check_model_and_tokenizer(config, tokenizer, seq_length: int) -> None:
     if len(tokenizer) > config.vocab_size:
@@ -171,7 +172,6 @@ def _train(args, output: Path, tokenizer, save_dtype: torch.dtype) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
     from transformers import AutoModelForCausalLM
-
 
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
