@@ -584,7 +584,7 @@ def convert_checkpoint(
     """Convert the Llama-family checkpoint `src` into an MHAR delta model at `dst`; return `dst`.
 
     heads, num_blocks: `residual_heads` (must divide hidden_size) and `residual_num_blocks`
-        (at most num_hidden_layers) of the new model.
+        (a model with fewer layers gets a block per layer) of the new model.
     dtype: `keep` copies every tensor's bytes as stored (the routing tensors take the embedding's
         dtype); `bfloat16` or `float32` casts everything.
     max_shard_size: the output shard limit (`5GB` = 5*10^9 bytes, `4GiB` = 4*2^30).

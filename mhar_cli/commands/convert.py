@@ -14,7 +14,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("src", help="a local Hugging Face checkpoint folder (or a hub id, when it can be fetched)")
     parser.add_argument("dst", help="the folder to write; it must not exist or be empty (see --overwrite)")
     parser.add_argument("--heads", type=int, default=8, help="routing heads H (must divide hidden_size)")
-    parser.add_argument("--num-blocks", type=int, default=8, help="depth blocks (at most the layer count)")
+    parser.add_argument("--num-blocks", type=int, default=8,
+                        help="depth blocks of delta mode (a model with fewer layers gets a block per layer)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="keep",
                         help="keep the stored dtypes or cast every tensor")
     parser.add_argument("--max-shard-size", default="5GB", help="output shard limit, e.g. 5GB or 4GiB")
