@@ -39,46 +39,36 @@ _empty = torch.empty  # every output the kernels write is allocated here (tests 
 
 # Launch shape per kernel: token rows per program, padded tile elements per warp, and the stages of
 # its software-pipelined loop (kernels.py). Each was chosen by its own GPU time in one step's reads at
-# every preset (H200, full H = 8; benchmarks/results/sweeps/read_terms.md), the reads made as the
-# model makes them (source pairs included). Source: rows per program share each read's g*q,
-# which the source kernel loads for every read (4 bytes per column, twice its output gradient's
-# row). A paired launch (`source_paired`) takes two: at 350M it spills a little there and is still
-# a third faster than one row, and four were slower at 1B (4.13 to 4.47 ms per full-mode step).
-# Unpaired, four (H200, ms per step, two rows against four: delta 100M 0.74 to 0.48, 350M 0.63 to
-# 0.51, 1B 0.67 to 0.55; block 100M 0.85 to 0.57, 350M and 1B within 2 %).
-# Site: 640 elements per warp gives the 1B width (1280) 2 warps, where 4 (512 per warp) took 6.4 ms
-# against 4.6 per step. Check a change on the step (`sweep_launch.py --on-step`) and for spills
-# (kernel_resources.py).
+# every preset, the reads made as the model makes them (source pairs included); the figures are in
+# docs/decisions.md. Source: rows per program share each read's g*q, which the source kernel loads
+# for every read (4 bytes per column, twice its output gradient's row), so more rows load fewer
+# bytes per element. A paired launch (`source_paired`) takes two: faster than one row despite a
+# little spill, and faster than four at 1B. Unpaired, four.
+# Site: 640 elements per warp gives the 1B width (1280) 2 warps; 4 were slower. Check a change on
+# the step (`sweep_launch.py --on-step`) and for spills (kernel_resources.py).
 # Ungated, unpaired reads of few sources (block mode, full mode's first layers) take their own
-# site shape: two token rows per program, half the warps per row (1B block: 1.46 to 1.37 ms of
-# site kernel per step, 100M 1.18 to 0.90; delta mode's gated reads were slower so: 1B 1.46 to
-# 2.43 ms). A split pair's launch keeps `site`: with stores in place, full mode's site kernels
-# took 3.91 / 4.43 ms per step (350M / 1B) with its few-source reads (pairs) at (2, 1280, 3),
-# 3.45 / 4.09 at (1, 640, 3).
-# Grouped forwards (delta mode) take as many token rows as fit one warp's elements (rows 0): H200,
-# ms of grouped forward per step against one row: 100M 0.80 to 0.60 (4 rows), 350M 0.85 to 0.74 (2);
+# site shape: two token rows per program, half the warps per row (delta mode's gated reads are
+# slower so). A split pair's launch keeps `site`, which is faster for it.
+# Grouped forwards (delta mode) take as many token rows as fit one warp's elements (rows 0):
 # one row of 1280 at 1B, where two rows or two warps per row were slower.
 LAUNCH = {"forward": (1, 2048, 3), "site": (1, 640, 3), "source": (4, 2048, 3), "source_paired": (2, 2048, 3),
           "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}
 FEW_SOURCES = 16  # at most this many sources take the `site_few` shape
 COLUMN_BLOCKS = ("site", "site_few", "total")  # the launches whose low tile is in column blocks (_split)
 # An ungated read of at least this many sources takes S from its output in the site kernel
-# (TOTAL_FROM_OUT): 5-14 % fewer instructions per source in the sm90 build, for one more row loaded
-# per token block, which a read of few sources feels most. H100, full mode, site + partials + total
-# kernels' ms per step's reads with 1 / 8 / no read taking it (`sweep_launch.py --constant
-# TOTAL_FROM_OUT_MIN_SOURCES 1 8 100000`): 350M 3.289 / 3.272 / 3.398, 1B 4.022 / 4.018 / 3.999.
+# (TOTAL_FROM_OUT): fewer instructions per source, for one more row loaded per token block, which a
+# read of few sources feels most (swept with `sweep_launch.py --constant TOTAL_FROM_OUT_MIN_SOURCES
+# 1 8 100000`; docs/decisions.md).
 TOTAL_FROM_OUT_MIN_SOURCES = 8
 # Whether a training read's forward loads the rstd that an earlier read computed for its leading
-# sources (`_source_rstd`), or sums every source's rstd from its rows as before (False: nothing is
-# kept on the marks). H100, full mode, the forward's ms per step with and without: 350M 2.58 and
-# 3.32, 1B 3.53 and 4.86; delta and block within 0.03 ms (`sweep_launch.py --constant KEEP_RSTD
-# True False`).
+# sources (`_source_rstd`), or sums every source's rstd from its rows (False: nothing is kept on
+# the marks). Loading is faster, in full mode above all (`sweep_launch.py --constant KEEP_RSTD True
+# False`; docs/decisions.md).
 KEEP_RSTD = True
 # route_partials_kernel: partial rows per load and columns per program. Few columns per program
 # give a grid of hundreds of programs (R x D / 8) and each program many rows in flight, for up to
 # 16 x SM partials per column; 32 bytes per row is one memory sector. A group's launch sums the
-# rows of all its reads, a grid R times larger: there 32 columns per program (H200, delta, ms per
-# step: 100M 0.075 to 0.062, 350M 0.132 to 0.091, 1B 0.231 to 0.082).
+# rows of all its reads, a grid R times larger: there 32 columns per program.
 PARTIALS_TILE = {"read": (1024, 8), "group": (256, 32)}
 PARTIALS_WARPS = 8
 SITE_PROGRAMS_PER_SM = 4  # the fewest site programs per multiprocessor (_site_programs)
@@ -135,9 +125,8 @@ def _split(kind: str, tile: dict, warps: int) -> int:
     DH_LO / 8 lanes, and each per-head sum crosses them all. In blocks, the lanes go to more
     heads and each lane holds its head's blocks: as many blocks as leave the warps on heads (a
     head split across warps sums through shared memory). Only the site and total kernels take
-    them: H100, Triton 3.6, full mode, ms per step's reads in blocks against one, site 350M 3.29 to
-    2.94 and 1B 4.39 to 4.19, total 0.385 to 0.362 at 350M, where the forwards ran 5-16 % slower
-    in blocks and the source kernels within 2 % (benchmarks/results/sweeps/column_blocks.md)."""
+    them: they run faster in blocks, the forwards slower, and the source kernels gain nothing
+    (docs/decisions.md)."""
     if kind not in COLUMN_BLOCKS:
         return 1
     return max(1, min(tile["DH_LO"] * tile["H_PAD"] // (8 * 32 * warps), tile["DH_LO"] // 8))
@@ -153,10 +142,7 @@ def _stores_in_place(launch: dict, second: bool) -> bool:
     """Whether a site launch stores its per-head sums from the threads that hold them
     (kernels._store_sums, whose store is NVIDIA assembly: not under the interpreter or ROCm), and
     not in a one-warp launch with a second read, whose layout change needs no barrier and whose
-    in-place stores are twice as many. H200, ms of site kernel per step without and with: delta
-    1.00 / 1.31 / 1.29 to 0.91 / 1.23 / 1.25 (100M / 350M / 1B), block 0.90 / 1.32 / 1.37 to
-    0.89 / 1.26 / 1.31, full 2.24 / 4.34 / 4.84 to 2.23 / 3.92 / 4.43 (the 100M full pairs in
-    place: 2.47)."""
+    in-place stores are twice as many (slower there; docs/decisions.md)."""
     return _assembly() and (launch["num_warps"] > 1 or not second)
 
 
@@ -170,19 +156,15 @@ def _site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, dev
     """Programs per read of the site backward, each looping over token blocks and writing
     `partial_bytes` of partial sums: enough to fill every multiprocessor with warps (memory
     latency is hidden by many loads in flight), but no more than keep a read's partials under
-    1 / SITE_PARTIALS_SHARE of the bytes its sources hold (at 1B a delta read's 3 x 2112 x d fp32
-    partials outweighed its sources: 2.7 + 0.9 ms of 6.7 ms per step went to writing and summing
-    them), and never fewer than SITE_PROGRAMS_PER_SM per multiprocessor: with one, a read of few
-    sources left its loads' latency bare (1B delta, H200: 2.77 ms of site kernels per step with one
-    per multiprocessor, 1.43 with 4, 1.69 with 8). A launch for a group of `reads` shares those
-    among its reads, not the byte bound: shared, its fewer programs took 1.84 ms of site kernel
-    per 1B delta step against 1.28. At most `resident` per multiprocessor, the launch's variant's
-    programs that one runs at once (or SITE_PROGRAMS_MAX_PER_SM where set): more run in waves, the
-    last likely leaving multiprocessors idle, and add partials. The site kernels hold 160-250
-    registers a thread, 4-6 programs a multiprocessor; H100, full mode, ms of site + partials
-    kernels per step with at most 16 / 8 / 6 / 4 a multiprocessor: 350M (168 registers, 6 fit)
-    3.18 / 3.39 / 2.87 / 3.16, 1B (222, 4 fit) 4.58 / 4.27 / 4.56 / 3.94 (BENCHMARKS.md, fourth
-    session of 2026-12-05)."""
+    1 / SITE_PARTIALS_SHARE of the bytes its sources hold (otherwise a read of few sources, as in
+    delta mode, spends more time writing and summing partials than reading its sources), and
+    never fewer than SITE_PROGRAMS_PER_SM per multiprocessor: with fewer, a read of few sources
+    leaves its loads' latency bare. A launch for a group of `reads` shares those among its reads,
+    not the byte bound: shared, its fewer programs are slower. At most `resident` per
+    multiprocessor, the launch's variant's programs that one runs at once (or
+    SITE_PROGRAMS_MAX_PER_SM where set): more run in waves, the last likely leaving
+    multiprocessors idle, and add partials. The site kernels' register counts differ by preset and
+    variant, so the cap comes from each compiled variant (figures: docs/decisions.md)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
@@ -247,11 +229,8 @@ def _resident_programs(kernel, args: tuple, constexprs: dict, device: torch.devi
 def _group_forward_programs(token_blocks: int, reads: int, device: torch.device) -> int:
     """Programs per read of a grouped forward, each looping over token blocks, so that a read's
     parameters are loaded, and its null source's logit computed, once per program rather than
-    once per token block. With one program per block and read, a 1B launch took 63 us for one
-    source and 9 us more per source, its L1 traffic at 80 % of peak (H200, ncu). Grouped forward
-    per step with one program per block, and with 8 / 16 / 32 per multiprocessor (H200): 100M
-    0.557, 0.458 / 0.452 / 0.465 ms; 350M 0.691, 0.626 / 0.600 / 0.606; 1B 0.509, 0.522 / 0.489 /
-    0.437 (`benchmarks/results/sweeps/grouped_reads.md`)."""
+    once per token block: with one program per block and read, that per-program work bound the
+    launch (figures: docs/decisions.md)."""
     multiprocessors = _multiprocessors(device)
     if not multiprocessors:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
@@ -341,9 +320,8 @@ class _CapturedUploads:
     """Table copies recorded into CUDA graphs, on a side stream that joins a capture at its first
     table and, from there on, waits only for its own earlier copies. A replay then runs the
     copies beside the kernels, not each one between the kernel before it and the kernel that
-    reads the table, where every copy left the GPU idle for several microseconds: a full-mode
-    step on an H100 (fused+graph) took 55.5 ms with the copies in line and 55.05 with them aside
-    at 1B, 51.0 and 50.7 at 350M (BENCHMARKS.md, 2026-12-05, seventh session).
+    reads the table, where every copy would leave the GPU idle for several microseconds
+    (figures: docs/decisions.md).
 
     Every replay reads the host side of a copy again, and the side stream's copies wait for no
     kernel that reads an earlier table: so both sides of every table are kept for the life of
@@ -422,8 +400,8 @@ def _source_rstd(sources, marks, eps: float) -> tuple[list[torch.Tensor], int]:
     """A training read's rstd row (fp32 [T]) per source, and how many of them, from the first on,
     earlier reads computed: a source's mark keeps the one its first read computed (for that eps).
     The forward loads those and computes the others into new rows, which the marks that had none
-    keep from then on (the forwards load rstd instead of summing a row: sm90 build, 15-23 % fewer
-    instructions per source)."""
+    keep from then on (the forwards load rstd instead of summing a row: fewer instructions per
+    source)."""
     mark_at = {position: mark for mark, position in marks} if KEEP_RSTD else {}
     kept = []
     for position in range(len(sources)):
@@ -794,9 +772,9 @@ def _launch_site(arguments, constexprs: dict, sources, rows: int, gated: bool, s
 
 def _sum_partials(partials, programs: int, width: int, params, gates, tile: str = "read"):
     """The gradients of `params` (one per row of the site kernel's partial sums) and of `gates`
-    (one [programs] row each after those), from one route_partials_kernel launch (torch's
-    strided sum, its cast and the gate's sum and cast took four per delta read: 1.2 ms of a 1B
-    step); `tile` names its PARTIALS_TILE."""
+    (one [programs] row each after those), from one route_partials_kernel launch instead of
+    torch's four per read (strided sum, cast, and the gate's sum and cast); `tile` names its
+    PARTIALS_TILE."""
     mixed = len({p.dtype for p in params}) > 1
     rows = len(params)
     sums = _empty((rows, width), dtype=torch.float32 if mixed else params[0].dtype, device=partials.device)

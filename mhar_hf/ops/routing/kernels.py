@@ -8,9 +8,9 @@ of two; one tile padded to the next would leave d/H = 160 (the 1B preset) 37 % p
 hold it exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d
 works. The blocks put each head on fewer lanes (fused._split): the compiler gives the lanes to
 the last dimension first, 8 bf16 each, so 128 columns in one block spanned 16 lanes, and every
-per-head sum crossed them all (four shuffles and adds per sum and head a thread held; in two
-blocks, three for one head; sm90 build at 350M, site loop instructions per source, Triton 3.6:
-186 to 165). The site and total kernels take blocks; the others run faster in one (fused._split).
+per-head sum crossed them all, a shuffle and an add per halving; in blocks a sum crosses fewer
+lanes. The site and total kernels take blocks; the others run faster in one (fused._split;
+figures in docs/decisions.md).
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them. A read's source table holds two per source: its rows
 and its rstd (fp32 [T]), which the first read of a source computes and every later one loads.
@@ -69,8 +69,7 @@ def _load_tile(ptr, offs, mask, AGAIN: tl.constexpr = False, PTX: tl.constexpr =
 def _bf16_pairs_to_fp32(tile):
     """A bf16 tile in fp32, two elements per 32-bit word: a bf16 is the top half of its fp32, so
     the word shifted left gives the first and the word masked the second, one instruction each.
-    The compiler's conversion takes three a pair: it moves the second's half out first (sm90
-    build, loop instructions per source at 350M: forward 289 to 265, site 199 to 191)."""
+    The compiler's conversion takes three a pair: it moves the second's half out first."""
     return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [tile],
                                      dtype=tl.float32, is_pure=True, pack=2)
 
@@ -189,7 +188,7 @@ def _load_source_rows(table, i, like_ptr, row_offs, row_ok, col_lo, mask_lo, col
 def _load_kept_source(table, n, src_like_ptr, rstd_like_ptr, tok, T, row_offs, row_ok, col_lo, mask_lo, col_hi, mask_hi,
                       PTX: tl.constexpr):
     """Source n of a read's source table, its token rows and their rstd (fp32), both addresses
-    from one 16-byte load of its entry (two loads took a second wait and barrier per source)."""
+    from one 16-byte load of its entry (two loads would take a second wait and barrier per source)."""
     rows, rstd = tl.split(tl.load(table + 2 * n + tl.arange(0, 2)))
     rows_ptr = tl.multiple_of(rows.to(tl.pointer_type(src_like_ptr.dtype.element_ty)), 16)
     rstd_ptr = tl.multiple_of(rstd.to(tl.pointer_type(rstd_like_ptr.dtype.element_ty)), 16)
@@ -233,7 +232,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def _exp(x):
     """exp(x) as 2^(x log2 e). `tl.exp` lowers to the same hardware exp2 behind a range check per
-    value that keeps results below 2^-126 from flushing to zero (three more instructions): no
+    value that keeps results below 2^-126 from flushing to zero (extra instructions per value): no
     softmax weight that small changes an fp32 sum."""
     return tl.math.exp2(x * LOG2E)
 
@@ -339,7 +338,7 @@ def route_fwd_kernel(
         for block in range(tl.program_id(0) // num_reads, tl.cdiv(T, BLOCK_T), programs):
             _forward_rows(block, *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND, GROUPED, D,
                           H, H_PAD, DH_LO, DH_HI, SPLIT, BLOCK_T, STAGES, PTX)
-    else:  # one block per program, without a loop, which held more registers (350M: 128 to 147)
+    else:  # one block per program, without a loop (the loop holds more registers)
         _forward_rows(tl.program_id(0), *rows, HAS_NULL, HAS_GATE, STORE_STATS, HAS_INIT, HAS_SECOND,
                       GROUPED, D, H, H_PAD, DH_LO, DH_HI, SPLIT, BLOCK_T, STAGES, PTX)
 
@@ -378,23 +377,21 @@ def _forward_rows(
         l2 = tl.zeros([BLOCK_T, H_PAD], tl.float32)
         acc2_lo, acc2_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
     # two loops, one per way of getting rstd: a branch in one loop would keep its loads out of the
-    # pipeline. Loading it takes 15-23 % fewer instructions per source than summing it (sm90 build)
+    # pipeline. Loading it takes fewer instructions per source than summing it
     for n in tl.range(0, num_kept, num_stages=STAGES):
         x_lo, x_hi, rstd = _load_kept_source(table, n, src0_ptr, lse_ptr, tok, T, row_offs, in_range, *cols, PTX)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
         if HAS_SECOND:
             m2, l2, acc2_lo, acc2_hi = _softmax_step(x_lo, x_hi, rstd, gq2_lo, gq2_hi, m2, l2, acc2_lo, acc2_hi)
     # a training forward meets one or two new sources. With a second read their loop goes
-    # unpipelined, which holds fewer registers (sm90, 1B: 255 with 24 bytes of spill, to 254 without;
-    # the grouped forward holds more so: 1B 168 to 220)
+    # unpipelined, which holds fewer registers (pipelined, it spills at 1B); the grouped forward
+    # keeps its pipeline, as it would hold more registers without
     for n in tl.range(num_kept, num_sources, num_stages=1 if STORE_STATS and HAS_SECOND else STAGES):
         x_lo, x_hi = _load_source_rows(table, n, src0_ptr, row_offs, in_range, *cols, PTX, 2, 0)
         rstd = _rstd(x_lo, x_hi, eps, D)
         if STORE_STATS:
-            # tl.store, as in place (_store_sums) gained nothing in sum: H200, ms of forward per step
-            # in place / tl.store, delta 0.457 / 0.628 / 0.452 (100M / 350M / 1B) against 0.463 /
-            # 0.609 / 0.453, full 1.308 / 2.266 / 2.474 against 1.301 / 2.300 / 2.474. A group's
-            # other reads branch around it (sm90 registers, grouped 350M 253 to 234, 1B 195 to 190)
+            # tl.store: storing in place (_store_sums) gained nothing here. A group's other reads
+            # branch around it, which holds fewer registers
             if rstd_rows > 0:
                 tl.store(_address(table, n, lse_ptr, 2, 1) + tok, rstd, mask=tok < rstd_rows)
         m, l, acc_lo, acc_hi = _softmax_step(x_lo, x_hi, rstd, gq_lo, gq_hi, m, l, acc_lo, acc_hi)
@@ -552,8 +549,8 @@ def route_site_bwd_kernel(
 
         # with TOTAL_FROM_OUT sum_n w (P - S) rstd x, else sum_n w P rstd x and sum_n w rstd x
         wp_x_lo, wp_x_hi = _zero_rows(BLOCK_T, SPLIT, H_PAD, DH_LO, DH_HI)
-        # S first: one row-wide sum instead of two (sm90 build, per source: 350M 242 to 219 instructions,
-        # 155 to 125 registers; 1B 290 to 256, and no more spills there)
+        # S first: one row-wide sum instead of two, so fewer instructions and registers per source
+        # (and no spill at 1B)
         if TOTAL_FROM_OUT:
             out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
             total = _head_dots(dout_lo, dout_hi, out_lo, out_hi)
@@ -719,10 +716,9 @@ def _load_terms(readers, k, FIELD: tl.constexpr, stat0_ptr, T, H: tl.constexpr, 
 def _source_terms(dots, p, rstd, dout_lo, dout_hi, lse, total, gq_lo, gq_hi, scale, acc_lo, acc_hi, norm_sum):
     """Add one read's terms to a source's running sums (route_source_bwd_kernel), given its dots
     <x_h, (g*q)_h> and P = <dout_h, x_h>. The norm term's sum stays per head ([BLOCK_T, H_PAD]):
-    summed over the heads in the loop, it took a reduction across lanes per read. (The sums as two
-    fused multiply-adds per element, g*q's first, are a fifth fewer instructions per read in the
-    sm90 build of Triton 3.6, yet ran slower: `ab_kernels.py --on-step` on an H100, source kernel
-    ms per full step 2.82 to 2.80 at 350M but 3.57 to 4.03 at 1B, the 1B step 0.794 to 0.787 x plain.)"""
+    summed over the heads in the loop, it took a reduction across lanes per read. The sums stay
+    as written: as two fused multiply-adds per element they take fewer instructions but more
+    registers, and run slower at 1B (docs/decisions.md)."""
     w = _exp(dots * rstd[:, None] - lse)
     dlogit = w * (p - total) * scale
     w = w * scale
@@ -755,9 +751,8 @@ def route_source_bwd_kernel(
     writes them unfinished (fp32: the [T, D] sum of w dout + dlogit rstd gq, and the [T] sum of
     sum_h dlogit dots); the partner's own launch starts from them (HAS_INIT). Its rows are read
     here for their rstd only. (Both rstd are summed from the rows: loaded, rstd takes a layout
-    that leaves the per-read loads duplicated in two layouts. The source's own: 1B 144 to 168
-    registers, with spills; the partner's: loop instructions per read, sm90 build, 100M 531 to
-    602, 350M 921 to 1035, 1B 533 to 741.)"""
+    that leaves the per-read loads duplicated in two layouts, which costs registers and spills
+    for the source's own and loop instructions for the partner's.)"""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
