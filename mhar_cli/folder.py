@@ -124,7 +124,8 @@ def remove_stale_staging(dst: Path, purpose: str, log: Callable[[str], None] = p
     (a killed `mhar convert`, say); report those of other hosts, which this one cannot check."""
     prefix = f".{dst.name}.{purpose}-"
     for leftover in dst.parent.glob(f"{glob.escape(prefix)}*"):
-        host, pid, _ = (leftover.name[len(prefix):].rsplit("-", 2) + ["", "", ""])[:3]
+        parts = leftover.name[len(prefix):].rsplit("-", 2)  # HOST-PID-RANDOM
+        host, pid = parts[:2] if len(parts) == 3 else ("", "")
         if host == _this_host() and pid.isdigit():
             if not _is_running(int(pid)):
                 shutil.rmtree(leftover, ignore_errors=True)
