@@ -88,7 +88,7 @@ def train_command(arm_name: str, model: Path, corpus: Path, output: Path, shape:
         "--warmup-steps", str(warmup), "--weight-decay", str(opt["weight_decay"]),
         "--adam-betas", *map(str, opt["adam_betas"]), "--clip", str(opt["clip"]),
         "--mixed-precision", "bf16" if torch.cuda.is_available() else "no",
-        "--eval-every", str(eval_every), "--save-every", str(max(1, steps // 4)),
+        "--eval-every", str(eval_every), "--save-every", str(max(1, steps // 10)),
         "--keep-last", "1", "--log-every", str(log_every), "--report-to", "none", "--resume",
     ]
 
