@@ -8,7 +8,8 @@ this tree's (`fused.py`), so the base's kernels must take the same arguments. Pe
 (H = 8) it times every routing kernel's GPU time in one step's reads with the base's kernels and
 with this tree's, and with --on-step also the whole training step with each (`fused+graph`, as
 bench_train.py times it) and the plain model's compiled+graph step for the ratios. A change to the
-kernels alone is checked this way in one GPU call, on one card.
+kernels alone is checked this way in one GPU call, on one card. Each line printed is also a row of
+`results/ab_kernels.jsonl` (`results_log.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from bench_train import MICRO_BATCH, copy_bandwidth, time_routing
 from mhar_hf import MHARConfig
 from mhar_hf.ops.routing import fused
+from results_log import append_result, utc_now
 from sweep_launch import model_sites, step_ms
 
 KERNELS = "mhar_hf/ops/routing/kernels.py"
@@ -43,6 +45,12 @@ def base_kernels(revision: str, folder: Path, repo: Path = REPO):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def git_commit_of(revision: str, repo: Path = REPO) -> str:
+    """The short hash git gives `revision` (the name itself if git cannot resolve it)."""
+    found = subprocess.run(["git", "rev-parse", "--short", revision], cwd=repo, capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else revision
 
 
 @contextlib.contextmanager
@@ -65,6 +73,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ab_kernels.py needs a CUDA GPU")
+    began, base = utc_now(), git_commit_of(args.base)
     with tempfile.TemporaryDirectory() as folder:
         versions = {f"base {args.base}": base_kernels(args.base, Path(folder)), "this tree": fused.kernels}
         bandwidth = copy_bandwidth()
@@ -82,6 +91,10 @@ def main():
                     if step is not None:
                         line += f", step {step:.2f} ms ({plain / step:.4f}x plain)"
                     print(f"{line} {figures['fwd_bwd_kernels_ms']}", flush=True)
+                    append_result("ab_kernels", dict(preset=preset, mode=mode, heads=8, base=base,
+                                                     kernels="this tree" if label == "this tree" else "base"),
+                                  dict(fwd_bwd_ms=figures["fwd_bwd_ms"], kernels_ms=figures["fwd_bwd_kernels_ms"],
+                                       step_ms=step, plain_step_ms=plain), date=began)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Writes a synthetic bf16 checkpoint (random values, the published config, the pub
 layout: about 16 GB) into a temporary folder, then alternates a plain copy of the same files and
 `mhar convert` (each in its own process), evicting the source files from the page cache before
 every run so both read from disk. Reports wall times, the ratio, and the converter's peak RSS
-against the largest shard. Needs ~33 GB of free disk; everything is deleted at the end.
+against the largest shard, and appends them to `results/convert.jsonl` (`results_log.py`; gpu
+"cpu"). Needs ~33 GB of free disk; everything is deleted at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from results_log import append_result, utc_now
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_CONFIG = REPO / "tests" / "fixtures" / "real_configs" / "Llama-3.1-8B.json"
@@ -116,11 +119,21 @@ def timed(script: str, *args: str) -> tuple[float, str]:
     return time.perf_counter() - t0, done.stdout
 
 
+def summary(rows: list[dict], sizes: list[int]) -> dict:
+    """The runs' figures, their best times, the ratios and the peak RSS against the largest shard."""
+    best = {key: min(r[key] for r in rows) for key in ("copy_s", "convert_s", "conversion_s")}
+    return {"runs": rows, "best": best, "ratio_of_best": best["convert_s"] / best["copy_s"],
+            "median_ratio": statistics.median(r["ratio"] for r in rows),
+            "max_rss_bytes": max(r["max_rss_bytes"] for r in rows),
+            "rss_over_largest_shard": max(r["max_rss_bytes"] for r in rows) / max(sizes)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
+    began = utc_now()
     root = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
     try:
         src = root / "llama-3.1-8b"
@@ -145,11 +158,10 @@ def main() -> None:
             print(f"run {repeat + 1}: copy {row['copy_s']:.1f}s, convert {row['convert_s']:.1f}s (import "
                   f"{row['import_s']:.1f}s, conversion {row['conversion_s']:.1f}s) = {row['ratio']:.2f}x copy; peak RSS "
                   f"{row['max_rss_bytes'] / 1e9:.2f} GB = {row['max_rss_bytes'] / max(sizes):.2f}x largest shard")
-        best = {key: min(r[key] for r in rows) for key in ("copy_s", "convert_s", "conversion_s")}
-        print(json.dumps({"shard_bytes": sizes, "runs": rows, "best": best,
-                          "ratio_of_best": best["convert_s"] / best["copy_s"],
-                          "median_ratio": statistics.median(r["ratio"] for r in rows),
-                          "rss_over_largest_shard": max(r["max_rss_bytes"] for r in rows) / max(sizes)}, indent=2))
+        metrics = summary(rows, sizes)
+        print(json.dumps(metrics, indent=2))
+        append_result("convert", dict(checkpoint="Llama-3.1-8B shapes, synthetic bf16", shard_bytes=sizes,
+                                      repeats=args.repeats, options="defaults"), metrics, date=began, gpu="cpu")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -9,8 +9,9 @@ fused AdamW, SDPA attention and the same regional torch.compile (each decoder la
 plain model; each layer's attention and MLP sublayers around the routing op for MHAR, whose
 layers take a different number of sources each). The baseline is the plain Transformer's
 fastest configuration. The kernel table also gives what each variant's step would reach with its
-routing kernels at their floor (`ratio_at_floor`). Writes `train_throughput.json` and
-`train_throughput.md` to --out.
+routing kernels at their floor (`ratio_at_floor`). Appends a row per training configuration to
+`results/train_throughput.jsonl` and one per variant's kernels to `results/routing_kernels.jsonl`
+(`results_log.py`), and prints both tables.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import argparse
 import datetime
 import gc
 import itertools
-import json
 import time
 from pathlib import Path
 
 import torch
+import transformers
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
@@ -31,6 +32,7 @@ from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing.fused import LAUNCH
 from mhar_hf.routing import Read
+from results_log import append_result, git_commit
 
 MICRO_BATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
 VARIANTS = [  # (label, residual mode, heads)
@@ -426,6 +428,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def result_rows(report: dict) -> list[tuple[str, dict, dict]]:
+    """(benchmark, config, metrics) for each measured configuration of a run's report: a training
+    step (`train_throughput`; x plain against the run's fastest plain configuration) or a
+    variant's routing kernels (`routing_kernels`). A configuration skipped for time or not run
+    has no row; one that ran out of memory has `out_of_memory`."""
+    steps = dict(warmup_steps=report["warmup_steps"], timed_steps=report["timed_steps"])
+    rows = []
+    for r in report["training"]:
+        if "tokens_per_s" not in r and r.get("status") != "out of memory":
+            continue
+        batch, seq = MICRO_BATCH[r["preset"]]
+        config = dict(preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r.get("label", "plain"),
+                      path=r["path"], batch=batch, seq=seq, **steps)
+        metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib",
+                                           "ratio_vs_baseline", "mem_ratio_vs_baseline") if key in r}
+        rows.append(("train_throughput", config, metrics if metrics else {"out_of_memory": True}))
+    for k in report["kernels"]:
+        config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites")}
+        metrics = {key: value for key, value in k.items() if key not in config}
+        rows.append(("routing_kernels", config, dict(metrics, copy_bandwidth_tb_s=report["copy_bandwidth_tb_s"])))
+    return rows
+
+
+def record(report: dict, folder: Path | None = None) -> None:
+    """Append the report's rows to the results files, with the run's date, GPU, commit and versions."""
+    for benchmark, config, metrics in result_rows(report):
+        append_result(benchmark, config, metrics, date=report["date"], folder=folder, commit=report["commit"],
+                      gpu=report["gpu"], torch=report["torch"], triton=report["triton"],
+                      transformers=transformers.__version__)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(MICRO_BATCH), choices=list(MICRO_BATCH))
@@ -437,15 +470,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=480, help="start no new configuration after this long")
-    parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--commit", help="the commit measured (default: $MHAR_COMMIT, else git's HEAD here)")
+    parser.add_argument("--results", type=Path, help="the results folder (default: $MHAR_RESULTS_DIR, else "
+                        "benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
+    args.commit = args.commit or git_commit()
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_throughput.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "train_throughput.md").write_text(markdown(report))
+    record(report, args.results)
     print(markdown(report))
 
 

@@ -6,7 +6,7 @@ routers gathered by the block's first layer) against every site reading for itse
 One GPU, one process (an NCCL group of one), each decoder layer its own FSDP2 unit as in
 training/configs/fsdp2_multi_gpu.yaml. The model is in bf16 and its sublayers are compiled
 (bench_train.py's fused path); no CUDA graph, which FSDP2's hooks rule out. Prints a Markdown
-table.
+table and appends its rows to `results/fsdp_grouped_reads.jsonl` (`results_log.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from bench_train import MICRO_BATCH, build, compile_regions, time_training
 from mhar_hf import modeling_mhar
+from results_log import append_result, utc_now
 
 
 def sharded(preset: str) -> torch.nn.Module:
@@ -41,6 +42,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     whole_here = modeling_mhar._whole_here
+    began = utc_now()
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
         try:
@@ -54,6 +56,9 @@ def main():
                     result = time_training(model, batch, seq, args.warmup, args.steps)
                     print(f"| {preset} | {label} | {result['step_ms']} | {result['tokens_per_s']:,} "
                           f"| {result['peak_mem_gib']} |", flush=True)
+                    append_result("fsdp_grouped_reads", dict(preset=preset, mode="delta", heads=8, reads=label,
+                                                             batch=batch, seq=seq, warmup_steps=args.warmup,
+                                                             timed_steps=args.steps), result, date=began)
                     del model
                     torch.cuda.empty_cache()
         finally:

@@ -8,7 +8,8 @@ tiny width and a few tokens on the CPU, with every routing kernel launch replace
 (the Triton interpreter mode only lets the fused path accept CPU tensors), and compares the step
 time with the same model in `standard` mode, which has no routing at all. The difference, per
 routing site, is the host cost of dispatch, autograd functions, address tables and bookkeeping;
-the Triton launch itself (tens of microseconds on a GPU) is not included.
+the Triton launch itself (tens of microseconds on a GPU) is not included. Each mode's figures are
+appended to `results/host_overhead.jsonl` (`results_log.py`; gpu "cpu": no GPU takes part).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 
 from mhar_hf import MHARConfig, MHARForCausalLM  # noqa: E402
 from mhar_hf.ops.routing import fused  # noqa: E402
+from results_log import append_result, utc_now  # noqa: E402
 
 KERNELS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel",
            "route_partials_kernel")
@@ -63,11 +65,17 @@ def main():
         setattr(fused.kernels, name, NoLaunch())
     fused._empty = torch.zeros  # what the skipped kernels would have written
     torch.set_num_threads(1)
+    began = utc_now()
     plain, _ = step_ms("standard", args.preset, args.steps)
     for mode in ("full", "block", "delta"):
         routed, sites = step_ms(mode, args.preset, args.steps)
         print(f"{args.preset} {mode}: step {routed:.2f} ms vs standard {plain:.2f} ms: "
               f"routing host time {routed - plain:.2f} ms per step, {1e3 * (routed - plain) / sites:.0f} us per site")
+        append_result("host_overhead", dict(preset=args.preset, mode=mode, steps=args.steps),
+                      dict(step_ms=round(routed, 3), standard_step_ms=round(plain, 3), sites=sites,
+                           host_ms_per_step=round(routed - plain, 3),
+                           host_us_per_site=round(1e3 * (routed - plain) / sites)),
+                      date=began, gpu="cpu")
 
 
 if __name__ == "__main__":

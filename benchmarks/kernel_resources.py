@@ -15,7 +15,8 @@ only in registers (3.6 and 3.9 give a tile's lanes to its dimensions in opposite
 contiguity ties), e.g. `pip install --target /tmp/t36 triton==3.6.0` and `PYTHONPATH=/tmp/t36:..`. `--launch` tries
 other shapes. `--loops` adds, per kernel, the SASS instructions and barriers (BAR, not the DEPBAR
 waits of asynchronous copies) of its innermost loop: one iteration's work per source (forward,
-site) or per read (source kernel).
+site) or per read (source kernel). Each row printed is also appended to
+`results/kernel_resources.jsonl` (`results_log.py`; gpu "cpu": nothing runs on a GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton
 from mhar_hf import MHARConfig
 from mhar_hf.ops.routing import fused, kernels
 from mhar_hf.ops.routing.ahead import compile_kernel
+from results_log import append_result, utc_now
 from sweep_launch import parse_choice
 
 VARIANTS = [  # (kernel kind, variant, kernel, flags): the launches of a training step
@@ -118,6 +120,7 @@ def main():
         raise SystemExit("unset TRITON_INTERPRET: this builds the kernels for the GPU")
     fused.LAUNCH.update(dict(args.launch))
     tool = cuobjdump()
+    began = utc_now()
     loop_columns = (" loop instructions | loop barriers |", "---|---|") if args.loops else ("", "")
     print("| preset | kernel | launch | rows | warps | stages | registers | stack bytes |" + loop_columns[0])
     print("|---|---|---|---|---|---|---|---|" + loop_columns[1])
@@ -130,9 +133,16 @@ def main():
             compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
                                       launch["STAGES"], launch["SPLIT"])
             registers, stack = resources(compiled, tool)
-            loop = " {} | {} |".format(*innermost_loop(compiled, tool)) if args.loops else ""
+            loop = innermost_loop(compiled, tool) if args.loops else None
             print(f"| {preset} | {kind} | {variant} | {launch['BLOCK_T']} | {launch['num_warps']} | {launch['STAGES']} "
-                  f"| {registers} | {stack} |{loop}", flush=True)
+                  f"| {registers} | {stack} |" + (" {} | {} |".format(*loop) if loop else ""), flush=True)
+            metrics = dict(registers=registers, stack_bytes=stack)
+            if loop:
+                metrics.update(loop_instructions=loop[0], loop_barriers=loop[1])
+            append_result("kernel_resources", dict(preset=preset, kernel=kind, variant=variant, heads=args.heads,
+                                                   rows=launch["BLOCK_T"], warps=launch["num_warps"],
+                                                   stages=launch["STAGES"], capability=90), metrics,
+                          date=began, gpu="cpu")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ inside the graph. `--host N` adds the N Python functions that take the most host
 time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
 one and the backward node that launched it: what the GPU waited for; and the routing kernels'
-time by launch (kernel, registers, grid, block), which tells a kernel's variants apart.
+time by launch (kernel, registers, grid, block), which tells a kernel's variants apart. Each
+model's step figures and kernel families are appended to `results/profile_step.jsonl`
+(`results_log.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_train import MICRO_BATCH, build, captured_step, compile_regions, training_step
+from results_log import append_result, utc_now
 
 
 # Kernel families by name (case apart), first match wins: where a step's GPU time goes outside the routing kernels
@@ -60,8 +63,9 @@ def families_table(times: dict[str, Counter]) -> str:
 
 
 def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path | None = None, graph: bool = False
-                  ) -> tuple[str, Counter]:
-    """The step's summary and top kernels (text), and its GPU ms per step by kernel family. With
+                  ) -> tuple[str, Counter, dict]:
+    """The step's summary and top kernels (text), its GPU ms per step by kernel family, and its step
+    times (ms: unprofiled, profiled). With
     `graph` the step is captured in one CUDA graph, as bench_train.py's "+graph" paths run it:
     what is left between GPU busy and the step time is then idle time inside the graph."""
     step = training_step(model, batch, seq, capturable=graph)
@@ -92,7 +96,7 @@ def profile_steps(model, batch: int, seq: int, steps: int, top: int, trace: Path
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:top]:
         lines.append(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  {e.count // steps:5d}x  {e.key[:110]}")
-    return "\n".join(lines), families
+    return "\n".join(lines), families, dict(step_ms=round(plain_ms, 3), profiled_step_ms=round(wall_ms, 3))
 
 
 def idle_gaps(trace: Path, top: int, min_us: float = 5.0) -> str:
@@ -188,13 +192,18 @@ def main():
     batch, seq = MICRO_BATCH[args.preset]
     torch._dynamo.config.recompile_limit = 256  # one compiled graph per layer
     families = {}
+    began = utc_now()
     for label, mode, whole_layers in (("plain, compiled layers", "standard", True), (f"MHAR {args.mode}", args.mode, False)):
         model = build(args.preset, mode, args.heads, "fused")
         compile_regions(model, whole_layers=whole_layers)
         graphed = ", one CUDA graph" if args.graph else ""
         print(f"== {args.preset} {label}, H={args.heads}, {batch}x{seq}{graphed}")
         trace = args.trace if mode != "standard" else None
-        text, families[label] = profile_steps(model, batch, seq, args.steps, args.top, trace, args.graph)
+        text, families[label], step = profile_steps(model, batch, seq, args.steps, args.top, trace, args.graph)
+        append_result("profile_step", dict(preset=args.preset, mode=mode, heads=args.heads, model=label,
+                                           graph=args.graph, batch=batch, seq=seq, steps=args.steps),
+                      dict(step, gpu_busy_ms=round(sum(families[label].values()), 3),
+                           families_ms={name: round(ms, 3) for name, ms in families[label].items()}), date=began)
         print(text, flush=True)
         if trace is not None:
             print(idle_gaps(trace, args.top), flush=True)

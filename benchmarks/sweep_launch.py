@@ -17,6 +17,7 @@ then per kernel all choices, best first.
 With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile,
 the launches in column blocks) is swept instead, and every routing kernel's time is printed per
 value.
+Every measurement is also appended to `results/launch_sweep.jsonl` as it is made (`results_log.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bench_train import (MICRO_BATCH, build, compile_regions, copy_bandwidth, re
                          time_routing, time_training)
 from mhar_hf import MHARConfig, MHARForCausalLM
 from mhar_hf.ops.routing import fused
+from results_log import append_result, utc_now
 
 CHOICES = {  # (token rows per program, padded elements per warp, pipeline stages)
     "forward": list(itertools.product((1, 2), (512, 1024, 2048), (2, 3))),
@@ -90,7 +92,7 @@ def constant_error(name: str, *values: str) -> str | None:
     return None
 
 
-def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float) -> None:
+def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float, date: str | None = None) -> None:
     """Every routing kernel's time in one step's reads with fused.`name` set to each value in turn
     (Python literals); the default comes back afterwards, also on an error. The cached launch
     arguments are cleared with each value: some constants (COLUMN_BLOCKS) shape them."""
@@ -105,6 +107,10 @@ def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float
                 fused._kernel_args.cache_clear()
                 figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
                 print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
+                append_result("launch_sweep", dict(sweep="constant", preset=preset, mode=mode, heads=8, constant=name,
+                                                   value=value),
+                              dict(kernels_ms=figures["fwd_bwd_kernels_ms"], fwd_bwd_ms=figures.get("fwd_bwd_ms")),
+                              date=date)
     finally:
         setattr(fused, name, default)
         fused._kernel_args.cache_clear()
@@ -132,9 +138,10 @@ def main():
     args = parser.parse_args()
     if args.constant and (error := constant_error(*args.constant)):
         parser.error(error)
+    began = utc_now()
     bandwidth = copy_bandwidth()
     if args.constant:
-        sweep_constant(args.presets, args.mode, *args.constant, bandwidth=bandwidth)
+        sweep_constant(args.presets, args.mode, *args.constant, bandwidth=bandwidth, date=began)
         return
     defaults = dict(fused.LAUNCH)
     for preset in args.presets:
@@ -155,6 +162,10 @@ def main():
                     figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
                     ms = figures["fwd_bwd_kernels_ms"][KERNEL[kind]]
                 print(f"{preset} {kind} {choice}: {ms:.3f} ms", flush=True)  # kept if a time limit cuts the sweep
+                measure = "step_ms" if args.on_step else "kernel_ms"
+                append_result("launch_sweep", dict(sweep="shape", preset=preset, mode=args.mode, heads=8, kind=kind,
+                                                   choice=list(choice), measure=measure),
+                              dict(ms=ms, plain_step_ms=plain), date=began)
                 timings.append((ms, choice))
             fused.LAUNCH[kind] = defaults[kind]
             fused._kernel_args.cache_clear()

@@ -9,7 +9,9 @@
 
     python training/bench_midtrain.py --out RESULTS_DIR [--steps 30 --seq-length 2048 --batch-size 8]
 
-Writes RESULTS_DIR/midtrain_bench.json and prints a Markdown table.
+Keeps the runs' logs in RESULTS_DIR, appends a row per part (the FSDP check, each model's throughput)
+to benchmarks/results/midtrain.jsonl (benchmarks/results_log.py; --results or $MHAR_RESULTS_DIR for
+another folder) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from results_log import append_result, utc_now  # noqa: E402
 
 
 def write_synthetic_corpus(path: Path, tokens: int, seed: int = 0) -> None:
@@ -65,6 +69,7 @@ def fsdp_check(work: Path, tokenizer, corpus: Path, out: Path) -> dict:
     import shutil
 
     from mhar_hf import MHARForCausalLM
+    from mhar_hf.folder import TrainingRecord
     from mhar_hf.tiny import tiny_config
 
     model = work / "tiny-delta"
@@ -82,9 +87,9 @@ def fsdp_check(work: Path, tokenizer, corpus: Path, out: Path) -> dict:
     launch("fsdp2_multi_gpu.yaml", [*common, "--output", str(resumed), "--resume"], out / "fsdp_resumed.log")
     a, b = metrics(whole), metrics(resumed)
     reloaded = MHARForCausalLM.from_pretrained(resumed / "model")
-    meta = json.loads((resumed / "model" / "mhar_training.json").read_text())
+    meta = TrainingRecord.read(resumed / "model")
     return {
-        "distributed_type": meta["distributed_type"],
+        "distributed_type": meta.distributed_type,
         "checkpoint_files": sorted(p.name for p in (whole / "checkpoints" / "step-00000008").iterdir()),
         "losses": [m["loss"] for m in a],
         "resumed_losses": [m["loss"] for m in b],
@@ -130,6 +135,29 @@ def throughput(work: Path, corpus: Path, tokenizer, out: Path, args) -> dict:
     return results
 
 
+def result_rows(summary: dict, args) -> list[tuple[dict, dict]]:
+    """(config, metrics) of each part of a run: the FSDP check if it ran, then each model's
+    throughput (delta's with its ratios to the plain model's)."""
+    rows = []
+    if "fsdp_one_process" in summary:
+        check = dict(summary["fsdp_one_process"])
+        config = dict(part="fsdp_resume", model="tiny delta", processes=1,
+                      distributed_type=check.pop("distributed_type"))
+        check.pop("checkpoint_files")
+        rows.append((config, check))
+    t = summary["throughput_100M"]
+    for mode in ("standard", "delta"):
+        figures = dict(t[mode])
+        config = dict(part="throughput", preset="100M", mode=mode, routing=figures.pop("routing_implementation"),
+                      seq_length=args.seq_length, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup)
+        if mode == "delta":
+            figures.update(tokens_per_s_vs_standard=t["delta_over_standard_tokens_per_s"],
+                           peak_memory_vs_standard=t["delta_over_standard_peak_memory"])
+        # NaN (peak memory is logged on CUDA only) is written as null
+        rows.append((config, {k: None if isinstance(v, float) and v != v else v for k, v in figures.items()}))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -138,16 +166,16 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-fsdp", action="store_true")
+    parser.add_argument("--results", type=Path, help="the results folder (default: $MHAR_RESULTS_DIR, else "
+                        "benchmarks/results)")
     args = parser.parse_args()
-
-    import torch
+    began = utc_now()
 
     from mhar_hf.tiny import demo_corpus, train_tokenizer
 
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-               "settings": {k: str(v) for k, v in vars(args).items()}}
+    summary = {}
     with tempfile.TemporaryDirectory(prefix="mhar-midtrain-bench-") as tmp:
         work = Path(tmp)
         tokenizer = train_tokenizer([demo_corpus()])
@@ -157,7 +185,8 @@ def main() -> None:
             summary["fsdp_one_process"] = fsdp_check(work, tokenizer, corpus, args.out)
             print(json.dumps(summary["fsdp_one_process"], indent=2), flush=True)
         summary["throughput_100M"] = throughput(work, corpus, tokenizer, args.out, args)
-    (args.out / "midtrain_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for config, metrics in result_rows(summary, args):
+        append_result("midtrain", config, metrics, date=began, folder=args.results)
     t = summary["throughput_100M"]
     print(f"| model | tokens/s | peak memory (GiB) |\n|---|---|---|")
     for mode in ("standard", "delta"):
