@@ -11,7 +11,7 @@ import torch
 from test_routing_kernels import rel_rms
 
 from mhar_hf import MHARForCausalLM
-from mhar_hf.ops.routing import fused
+from mhar_hf.ops.routing import group, kernels, tables
 from mhar_hf.tiny import tiny_config
 
 DEVICE = "cuda" if os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available() else "cpu"
@@ -49,14 +49,14 @@ def loss_curve(model: MHARForCausalLM, steps: int = 30) -> list[float]:
 @pytest.mark.parametrize("mode", ["full", "delta"])
 def test_fused_training_follows_the_reference_loss_curve(mode, monkeypatch):
     launches = []
-    kernel = fused.kernels.route_source_bwd_kernel
+    kernel = kernels.route_source_bwd_kernel
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(fused.kernels, "route_source_bwd_kernel", Spy())
+    monkeypatch.setattr(kernels, "route_source_bwd_kernel", Spy())
     fused_model = tiny_model(mode, "fused")
     fused_curve = loss_curve(fused_model)
     assert launches, "the fused model never launched the routing kernel"
@@ -111,13 +111,13 @@ def test_reentrant_checkpointing_keeps_every_fused_gradient(mode):
 
 def spy_groups(monkeypatch, record) -> None:
     """Calls `record(reads)` at every grouped forward launch (a gated read alone is a group of one)."""
-    forward_group = fused._forward_group
+    forward_group = group.forward_group
 
     def spy(sources, table, reads, *args, **kwargs):
         record(reads)
         return forward_group(sources, table, reads, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "_forward_group", spy)
+    monkeypatch.setattr(group, "forward_group", spy)
 
 
 def group_sizes(monkeypatch) -> list[int]:
@@ -261,8 +261,8 @@ def test_training_step_captured_in_a_cuda_graph_matches_eager_steps(mode):
     with torch.cuda.graph(graph):
         captured_loss = step()  # recorded, not run: not a step
     decoy = torch.zeros(1 << 20, device="cuda")
-    for staging in fused._staging.values():  # later uploads rewrite the staging buffer: a replay must not read it
-        staging.buffer.fill_(decoy.data_ptr())
+    for buffer in tables.staging_buffers():  # later uploads rewrite the staging buffer: a replay must not read it
+        buffer.fill_(decoy.data_ptr())
     for _ in range(3):
         graph.replay()
         losses.append(captured_loss.item())

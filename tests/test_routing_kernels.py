@@ -4,6 +4,7 @@ On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERP
 MHAR_TEST_GPU=1 on a CUDA machine the same tests run compiled, plus bf16/fp16 variants.
 """
 
+import contextlib
 import copy
 import gc
 import os
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 from conftest import HANG_GUARD_S
 
-from mhar_hf.ops.routing import fused, fused_route, fused_route_and_start, kernels, track
+from mhar_hf.ops.routing import (fused_route, fused_route_and_start, kernels, launch, launch_config, outputs, reads,
+                                 tables, track)
 from mhar_hf.routing import Read, route, route_group, route_reference
 from mhar_hf.tiny import tiny_config
 
@@ -31,9 +33,17 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16] if GPU else [torch.float
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
+def poisoned_outputs():
     """Every tensor the kernels write starts as NaN, so an element they skip fails the test."""
-    monkeypatch.setattr(fused, "_empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
+    with outputs.allocating(lambda *a, **k: torch.full(*a, float("nan"), **k)):
+        yield
+
+
+@pytest.fixture
+def configured():
+    """`configured(field=value, ...)` runs the rest of the test under those LaunchConfig fields."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(launch_config(**changes))
 
 
 def rel_rms(actual, expected):
@@ -74,10 +84,10 @@ SHAPES = [  # (sources, width, heads, tokens, batch, null source)
 
 
 @pytest.fixture(params=[1, 10**9], ids=["S-from-output", "S-in-the-loop"])
-def total_from_out(request, monkeypatch) -> bool:
-    """Both ways an ungated read's site kernel gets S (fused.TOTAL_FROM_OUT_MIN_SOURCES): True when
-    from the read's output."""
-    monkeypatch.setattr(fused, "TOTAL_FROM_OUT_MIN_SOURCES", request.param)
+def total_from_out(request, configured) -> bool:
+    """Both ways an ungated read's site kernel gets S (LaunchConfig.total_from_out_min_sources):
+    True when from the read's output."""
+    configured(total_from_out_min_sources=request.param)
     return request.param == 1
 
 
@@ -105,16 +115,16 @@ def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, widt
 def test_low_tile_in_one_or_four_blocks_matches_fp64_reference(monkeypatch, split, heads_axis, width=320, heads=2,
                                                                 tokens=9):
     """The interpreter holds the low tile as a GPU launch does, in two column blocks in the
-    launches that take them (fused.COLUMN_BLOCKS) and in one elsewhere; a GPU launch may take
-    four (fused._split): one and four blocks in every kernel here, on a read (head width 160:
+    launches that take them (launch.COLUMN_BLOCKS) and in one elsewhere; a GPU launch may take
+    four (launch.column_blocks): one and four blocks in every kernel here, on a read (head width 160:
     128 + 32) and on a group of gated reads, every gradient against fp64; in both axis orders
     (kernels.HEADS_AXIS, by Triton version; a compiled kernel's globals must not change, so a GPU
     runs only its own)."""
     if GPU and heads_axis != kernels.HEADS_AXIS:
         pytest.skip("compiled kernels keep the axis order of the installed Triton")
     monkeypatch.setattr(kernels, "HEADS_AXIS", tl.constexpr(heads_axis))
-    kernel_args = fused._kernel_args
-    monkeypatch.setattr(fused, "_kernel_args", lambda *args: dict(kernel_args(*args), SPLIT=split))
+    kernel_args = launch.kernel_args
+    monkeypatch.setattr(launch, "kernel_args", lambda *args: dict(kernel_args(*args), SPLIT=split))
     sources, query, norm_weight, null_source = routing_inputs(3, width, tokens, 2, null=True)
     grad_out = torch.randn(2, tokens, width, device=DEVICE)
     out, grads = forward_and_grads(fused_route, sources, query, norm_weight, null_source, heads, grad_out)
@@ -134,7 +144,7 @@ def test_low_tile_in_one_or_four_blocks_matches_fp64_reference(monkeypatch, spli
 
 @pytest.mark.skipif(not GPU, reason="autotuned launches (large token counts) run on the GPU only")
 @pytest.mark.parametrize("heads", [8, 1])
-@pytest.mark.parametrize("n", [6, fused.FEW_SOURCES + 4])  # the launch shapes of few and of many sources
+@pytest.mark.parametrize("n", [6, launch.LaunchConfig().few_sources + 4])  # the launch shapes of few and of many sources
 def test_tuned_launch_at_training_size(heads, n):
     sources, query, norm_weight, null_source = routing_inputs(n, 1280, 2048, dtype=torch.bfloat16, null=True)
     # the gradient the kernels get, bf16, is the reference's too: P - S cancels, which magnifies a difference
@@ -157,14 +167,13 @@ def test_site_launch_counts_the_programs_of_the_variant_it_runs():
     device = torch.device(DEVICE)
     cache = kernels.route_site_bwd_kernel.device_caches[torch.cuda.current_device()][0]
     cache.clear()
-    fused._RESIDENT.clear()
     sources, query, norm_weight, null_source = routing_inputs(6, 1280, 2048, dtype=torch.bfloat16, null=True)
     grad_out = torch.randn(1, 2048, 1280, device=DEVICE).bfloat16()
-    forward_and_grads(fused_route, sources, query, norm_weight, null_source, 8, grad_out)
-    assert len(cache) == 1 and len(fused._RESIDENT) == 1
-    (compiled,) = cache.values()
-    counted = fused._fitting_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, device)
-    assert fused._RESIDENT.popitem()[1] == counted
+    with launch_config():  # from cleared launch caches
+        forward_and_grads(fused_route, sources, query, norm_weight, null_source, 8, grad_out)
+        (compiled,) = cache.values()
+        counted = launch.fitting_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, device)
+        assert launch.resident_counts() == [counted]
 
 
 @triton.jit
@@ -201,10 +210,9 @@ def test_16_bit_sources_under_the_interpreter(dtype):
 
 
 @pytest.mark.skipif(not GPU, reason="address tables pass through pinned host memory on CUDA only")
-def test_reads_under_a_cuda_default_device(monkeypatch):
+def test_reads_under_a_cuda_default_device():
     """A model used under `with torch.device("cuda")`: its reads' host-side tables stay on the host."""
-    monkeypatch.setattr(fused, "_staging", {})
-    monkeypatch.setattr(fused, "_tables", fused.OrderedDict())
+    tables.clear()
     sources, query, norm_weight, null_source = routing_inputs(3, 64, 9, null=True)
     grad_out = torch.randn(1, 9, 64, device=DEVICE)
     with torch.device("cuda"):
@@ -396,15 +404,15 @@ def chained(mark):
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "summed-by-every-read"])
-def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, keep, heads=4):
+def test_each_source_rstd_is_computed_once_by_its_first_read(monkeypatch, configured, keep, heads=4):
     """A training read computes the rstd of the sources no read has taken before, and keeps it
     with their marks; later reads load it (their forward sums only the newest): `kept` counts the
     leading sources whose rstd the forward loads. A read with another eps sums its own. With
-    fused.KEEP_RSTD off, every read sums every rstd."""
-    monkeypatch.setattr(fused, "KEEP_RSTD", keep)
-    kept, forward = [], fused._forward
-    monkeypatch.setattr(fused, "_forward", lambda *args, **kwargs: kept.append(kwargs["kept"]) or forward(*args,
-                                                                                                          **kwargs))
+    LaunchConfig.keep_rstd off, every read sums every rstd."""
+    configured(keep_rstd=keep)
+    kept, forward = [], reads.read_forward
+    monkeypatch.setattr(reads, "read_forward", lambda *args, **kwargs: kept.append(kwargs["kept"]) or forward(*args,
+                                                                                                              **kwargs))
     sources, query, norm_weight, _ = routing_inputs(4, 64, 11)
     leaves = [s.detach().clone().requires_grad_() for s in sources]
     marked = chained(track)(leaves)
@@ -578,18 +586,18 @@ def test_a_begun_read_ends_once_with_its_sources_and_query():
 
 @pytest.fixture
 def launch_kinds(monkeypatch) -> list[str]:
-    """The launch shape (fused.LAUNCH kind) each kernel launch asks for, in order."""
-    kinds, kernel_args = [], fused._kernel_args
-    monkeypatch.setattr(fused, "_kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
+    """The launch shape (LaunchConfig.shapes kind) each kernel launch asks for, in order."""
+    kinds, kernel_args = [], launch.kernel_args
+    monkeypatch.setattr(launch, "kernel_args", lambda kind, *args: kinds.append(kind) or kernel_args(kind, *args))
     return kinds
 
 
 @pytest.mark.parametrize("own_read", [True, False], ids=["partner-has-its-own-read", "partner-has-no-other-read"])
-def test_paired_sources_match_fp64_reference(spies, monkeypatch, launch_kinds, own_read, heads=4):
+def test_paired_sources_match_fp64_reference(spies, configured, launch_kinds, own_read, heads=4):
     """Sources made and read in the model's order: the newest source's launch also sums, for the
     source made before it, the terms of the reads they share, and that source's launch adds the
     rest (its other reads, its other uses)."""
-    monkeypatch.setattr(fused, "PARTNER_MIN_READS", 3)
+    configured(partner_min_reads=3)
     _, _, source_kernel, _ = spies
     sources = routing_inputs(3, 64, 11, batch=2)[0]
     params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(4)]
@@ -618,7 +626,7 @@ def test_paired_sources_match_fp64_reference(spies, monkeypatch, launch_kinds, o
 
 def test_site_shapes_of_few_source_reads(launch_kinds, heads=4):
     """Few sources: an ungated read alone takes the `site_few` launch shape, a split pair's one
-    site launch keeps `site` (faster for pairs: fused.LAUNCH's notes)."""
+    site launch keeps `site` (faster for pairs: LaunchConfig.shapes' notes)."""
     sources, q, g = routing_inputs(3, 64, 11)[:3]
     params = [routing_inputs(1, 64, 11 + i)[1:3] for i in range(2)]
     leaves = [s.detach().clone().requires_grad_() for s in sources]
@@ -656,9 +664,9 @@ def test_sources_at_unaligned_addresses(monkeypatch, dtype=DTYPES[-1]):
     """The kernels load table-addressed tensors 16 bytes at a time: a source that starts off a
     16-byte boundary is copied first, so no table holds such an address, and results stay exact."""
     tabled = []
-    upload = fused._upload
-    monkeypatch.setattr(fused, "_upload", lambda addresses, device: tabled.extend(addresses) or upload(addresses, device))
-    fused._tables.clear()
+    upload = tables.upload
+    monkeypatch.setattr(tables, "upload", lambda addresses, device: tabled.extend(addresses) or upload(addresses, device))
+    tables.clear()
     sources, query, norm_weight, _ = routing_inputs(3, 64, 9, dtype=dtype)
     storage = torch.empty(sources[1].numel() + 1, device=DEVICE, dtype=dtype)
     storage[1:].copy_(sources[1].flatten())
@@ -725,8 +733,8 @@ def spies(monkeypatch):
     """Launch records of the forward, per-read backward, per-source backward and S-from-output kernels."""
     counters = {}
     for name in SPIED:
-        counters[name] = LaunchSpy(getattr(fused.kernels, name))
-        monkeypatch.setattr(fused.kernels, name, counters[name])
+        counters[name] = LaunchSpy(getattr(kernels, name))
+        monkeypatch.setattr(kernels, name, counters[name])
     return counters.values()
 
 
@@ -748,7 +756,7 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
 # delta: no final read; the two block deltas; its 7 reads in two groups, one per block (layer 0's
 # MLP read to layer 2's attention read, layer 2's MLP read to the end), a launch each way each.
 # Source pairs (a source's launch also sums the terms of the source made before it, from the
-# reads they share when those are all that source has had so far, fused.PARTNER_MIN_READS or
+# reads they share when those are all that source has had so far, LaunchConfig.partner_min_reads or
 # more): full mode, the attention outputs of layers 2, 1 and 0 with the MLP output of the layer
 # before (the embedding for layer 0), sharing 4, 6 and 8 reads; in delta mode the two deltas
 # share 3 reads, too few.
@@ -776,15 +784,15 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_f
 
 @pytest.mark.parametrize("keep_rstd", [True, False], ids=["rstd-kept", "rstd-summed"])
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
-def test_model_gradients_match_the_fp64_reference_model(monkeypatch, total_from_out, keep_rstd, mode):
+def test_model_gradients_match_the_fp64_reference_model(configured, total_from_out, keep_rstd, mode):
     """Every parameter's gradient through a whole model with the kernels (split pairs, source
     pairs, the terms each read leaves for the source kernel, some written by a split pair's
     second read before the pair's site kernel writes the rest) against the same model in fp64
     with the reference op, with each source's rstd kept from its first read or summed by every
-    read (fused.KEEP_RSTD)."""
+    read (LaunchConfig.keep_rstd)."""
     from mhar_hf import MHARForCausalLM
 
-    monkeypatch.setattr(fused, "KEEP_RSTD", keep_rstd)
+    configured(keep_rstd=keep_rstd)
 
     config = tiny_config(residual_mode=mode, routing_implementation="fused")
     model = MHARForCausalLM(config).to(DEVICE)
@@ -851,54 +859,50 @@ def test_uncovered_call_falls_back_with_one_warning(spies, recwarn):
 def test_launch_counts_only_the_columns_a_program_holds(width, heads, held):
     """A power-of-two d/H leaves the high tile empty: counting it gave d = 1024, H = 8 (350M) 1032
     elements per row, which rounded its programs up to twice the warps."""
-    assert fused._padded_width(fused._tile(width, heads)) == held
+    assert launch.padded_width(launch.tile(width, heads)) == held
 
 
 @pytest.mark.parametrize("width, heads", [(320, 2), (36, 12), (200, 2), (1280, 8), (4096, 8)])
 def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
     """Token rows are a tile dimension (tl.arange): the grouped forward's rows-that-fit-a-warp
     gave 6 at d = 320, H = 2, which the GPU compiler rejects (the interpreter does not check)."""
-    monkeypatch.setattr(fused, "_interpreted", lambda: False)
-    fused._kernel_args.cache_clear()
-    try:
-        for kind in fused.LAUNCH:
-            rows = fused._kernel_args(kind, width, heads)["BLOCK_T"]
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    with launch_config():  # launch caches cleared before and after
+        for kind in launch.current().shapes:
+            rows = launch.kernel_args(kind, width, heads)["BLOCK_T"]
             assert rows >= 1 and rows & (rows - 1) == 0, (kind, rows)
-    finally:
-        fused._kernel_args.cache_clear()
 
 
-def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, sms=132, resident=6):
+def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, configured, sms=132, resident=6):
     """A read's site launch on a GPU of `sms` multiprocessors, each holding `resident` of its
     programs at once: one token block per program up to that many per multiprocessor, past which
     programs loop over blocks; a group of reads shares the SITE_PROGRAMS_PER_SM floor among its
     reads, but each read keeps the programs whose partials stay under 1 / SITE_PARTIALS_SHARE of
     its sources' bytes. SITE_PROGRAMS_MAX_PER_SM, where set, stands in for `resident`."""
-    monkeypatch.setattr(fused, "_multiprocessors", lambda device: sms)
-    monkeypatch.setattr(fused, "SITE_PROGRAMS_MAX_PER_SM", None)
-    low, high = fused.SITE_PROGRAMS_PER_SM * sms, resident * sms
+    monkeypatch.setattr(launch, "multiprocessors", lambda device: sms)
+    low, high = launch.current().site_programs_per_sm * sms, resident * sms
     row = 4 * 1024 * 4  # four fp32 partial rows of d = 1024 per program
     cpu = torch.device("cpu")
-    assert fused._site_programs(100, 10**12, row, cpu, resident) == 100
-    assert fused._site_programs(100_000, 10**12, row, cpu, resident) == high
-    assert fused._site_programs(100_000, 0, row, cpu, resident) == min(low, high)
+    assert launch.site_programs(100, 10**12, row, cpu, resident) == 100
+    assert launch.site_programs(100_000, 10**12, row, cpu, resident) == high
+    assert launch.site_programs(100_000, 0, row, cpu, resident) == min(low, high)
     reads = 10
-    assert fused._site_programs(100_000, 0, row, cpu, resident, reads) == min(-(-low // reads), high)
-    enough = 300 * fused.SITE_PARTIALS_SHARE * row  # partials bound: 300 programs
-    assert fused._site_programs(100_000, enough, row, cpu, resident, reads) == min(max(300, -(-low // reads)), high)
-    monkeypatch.setattr(fused, "SITE_PROGRAMS_MAX_PER_SM", 2)
-    assert fused._site_programs(100_000, 10**12, row, cpu, resident) == 2 * sms
+    assert launch.site_programs(100_000, 0, row, cpu, resident, reads) == min(-(-low // reads), high)
+    enough = 300 * launch.current().site_partials_share * row  # partials bound: 300 programs
+    assert launch.site_programs(100_000, enough, row, cpu, resident, reads) == min(max(300, -(-low // reads)), high)
+    configured(site_programs_max_per_sm=2)
+    assert launch.site_programs(100_000, 10**12, row, cpu, resident) == 2 * sms
 
 
 def test_resident_counts_are_kept_per_variant_triton_compiles():
     """The resident-program counts are keyed as Triton tells its variants apart: by a tensor's
     dtype and 16-byte alignment, and by an integer's being 1 or a multiple of 16."""
     rows = torch.zeros(8, dtype=torch.bfloat16)
-    assert fused._specialized(rows) == fused._specialized(torch.ones(4, dtype=torch.bfloat16))
-    assert fused._specialized(rows) != fused._specialized(rows.float())
-    assert fused._specialized(rows) != fused._specialized(rows[1:])  # 2 bytes past an aligned start
-    assert len({fused._specialized(n) for n in (1, 16, 32, 17, 3)}) == 3
-    assert fused._specialized(1e-6) == fused._specialized(0.5)
+    assert launch.specialized(rows) == launch.specialized(torch.ones(4, dtype=torch.bfloat16))
+    assert launch.specialized(rows) != launch.specialized(rows.float())
+    assert launch.specialized(rows) != launch.specialized(rows[1:])  # 2 bytes past an aligned start
+    assert len({launch.specialized(n) for n in (1, 16, 32, 17, 3)}) == 3
+    assert launch.specialized(1e-6) == launch.specialized(0.5)
 
 
 @pytest.mark.parametrize("registers, warps, shared, fitting", [
@@ -912,9 +916,9 @@ def test_resident_counts_are_kept_per_variant_triton_compiles():
 def test_fitting_programs_follow_the_multiprocessor_limits(monkeypatch, registers, warps, shared, fitting):
     """Programs one multiprocessor runs at once, by registers (in blocks of 256 a warp), threads,
     the 32-program limit and shared memory (1 KiB more a program), with an H100's limits."""
-    monkeypatch.setattr(fused, "_multiprocessor_limits",
+    monkeypatch.setattr(launch, "_multiprocessor_limits",
                         lambda device: dict(registers=65536, threads=2048, shared=233472))
-    assert fused._fitting_programs(registers, warps, shared, torch.device("cuda")) == fitting
+    assert launch.fitting_programs(registers, warps, shared, torch.device("cuda")) == fitting
 
 
 def run_without_interpreter(script: str) -> subprocess.CompletedProcess:
@@ -927,7 +931,7 @@ def test_kernels_compile_for_sm90():
     """The interpreter accepts code the GPU compiler rejects: compile every kernel for Hopper."""
     script = textwrap.dedent("""
         import itertools
-        from mhar_hf.ops.routing import fused, kernels
+        from mhar_hf.ops.routing import kernels, launch
         from mhar_hf.ops.routing.ahead import compile_kernel
 
         gated = dict(HAS_NULL=True, HAS_GATE=True, STORE_STATS=True, HAS_GRAD_IN=True, HAS_SECOND=False,
@@ -940,7 +944,7 @@ def test_kernels_compile_for_sm90():
                         kernels.route_total_kernel, kernels.route_partials_kernel)
         for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
             kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total"}.get(kernel, "forward")
-            blocks = fused._split(kind, fused._tile(width, heads), warps)
+            blocks = launch.column_blocks(kind, launch.tile(width, heads), warps)
             compile_kernel(kernel, flags, width, heads, rows, warps, split=blocks)
         print("compiled")
     """)
@@ -949,7 +953,7 @@ def test_kernels_compile_for_sm90():
 
 
 def test_low_tile_in_blocks_keeps_each_head_on_few_lanes_of_one_warp():
-    """The low tile in column blocks (fused._split): at the presets' site launches (H = 8) the
+    """The low tile in column blocks (launch.column_blocks): at the presets' site launches (H = 8) the
     compiled layout puts no head across warps (a sum across warps goes through shared memory) and
     each head on as few lanes as the warp allows, 32 * warps / H. In one block, a head of 128
     columns spanned 16 lanes, and each per-head sum a shuffle more. With the heads' axis of the
@@ -957,7 +961,7 @@ def test_low_tile_in_blocks_keeps_each_head_on_few_lanes_of_one_warp():
     script = textwrap.dedent(r"""
         import re
         from mhar_hf import MHARConfig
-        from mhar_hf.ops.routing import fused, kernels
+        from mhar_hf.ops.routing import kernels, launch
         from mhar_hf.ops.routing.ahead import compile_kernel
 
         flags = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_SECOND=False, HAS_INIT=False,
@@ -966,12 +970,12 @@ def test_low_tile_in_blocks_keeps_each_head_on_few_lanes_of_one_warp():
                             r"warpsPerCTA = \[(\d+), (\d+), (\d+), (\d+)\]")
         for preset in ("100M", "350M", "1B"):
             width = MHARConfig.from_preset(preset).hidden_size
-            launch = fused._kernel_args("site", width, 8)
-            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, width, 8, launch["BLOCK_T"],
-                                   launch["num_warps"], split=launch["SPLIT"]).asm["ttgir"]
+            setup = launch.kernel_args("site", width, 8)
+            ttgir = compile_kernel(kernels.route_site_bwd_kernel, flags, width, 8, setup["BLOCK_T"],
+                                   setup["num_warps"], split=setup["SPLIT"]).asm["ttgir"]
             lanes = [int(n) for n in layout.search(ttgir).groups()]
             blocks = 3 - kernels.HEADS_AXIS  # the axis of column blocks
-            print("tile", preset, launch["num_warps"], lanes[blocks] * lanes[3], lanes[4 + blocks] * lanes[7])
+            print("tile", preset, setup["num_warps"], lanes[blocks] * lanes[3], lanes[4 + blocks] * lanes[7])
     """)
     result = run_without_interpreter(script)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -985,16 +989,16 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
     """Per source, the site kernel stores the read's dots and P (per-head sums). Through tl.store
     each went to shared memory and back behind a barrier (a layout change the compiler adds for the
     store); IN_PLACE stores them from the threads that hold them (the GPU's form; measured in
-    fused._stores_in_place). Nor does it sum over heads per source, a grouped read's or a split
+    launch.stores_in_place). Nor does it sum over heads per source, a grouped read's or a split
     pair's (rstd comes from the forward's table). And where S comes from the read's output
     (TOTAL_FROM_OUT) the loop carries one row-wide sum instead of two. Read from the Hopper build
     at d = 1024, H = 8 (the 350M shape)."""
     script = textwrap.dedent("""
         from mhar_hf.ops.routing import kernels
         from mhar_hf.ops.routing.ahead import compile_kernel
-        from mhar_hf.ops.routing.fused import _split, _tile
+        from mhar_hf.ops.routing.launch import column_blocks, tile
 
-        split = _split("site", _tile(1024, 8), 2)  # the low tile's column blocks per head at two warps
+        split = column_blocks("site", tile(1024, 8), 2)  # the low tile's column blocks per head at two warps
         low = f"1x8x{split}" if kernels.HEADS_AXIS == 1 else f"1x{split}x8"  # its shape, by the heads' axis
         grouped = dict(HAS_NULL=True, HAS_GATE=True, HAS_SECOND=False, GROUPED=True, TOTAL_FROM_OUT=False)
         pair = dict(HAS_NULL=False, HAS_GATE=False, HAS_SECOND=True, GROUPED=False, TOTAL_FROM_OUT=True)
@@ -1038,6 +1042,6 @@ def test_site_kernel_stores_its_per_source_sums_without_a_layout_change():
 def test_which_site_launches_store_in_place(monkeypatch, interpreted, hip, warps, second, in_place):
     """The in-place store is NVIDIA assembly (not under the interpreter, nor on ROCm), and a
     one-warp launch with a second read keeps tl.store."""
-    monkeypatch.setattr(fused, "_interpreted", lambda: interpreted)
+    monkeypatch.setattr(launch, "interpreted", lambda: interpreted)
     monkeypatch.setattr(torch.version, "hip", hip)
-    assert fused._stores_in_place({"num_warps": warps}, second) is in_place
+    assert launch.stores_in_place({"num_warps": warps}, second) is in_place

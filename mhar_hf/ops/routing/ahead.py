@@ -8,7 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .fused import PARTIALS_TILE, _tile
+from . import launch
 
 # the type of every kernel argument that is not a constexpr, by name (sources and outputs as bf16)
 ARGUMENT_TYPES = dict(
@@ -27,9 +27,9 @@ def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps
                    split: int = 1, capability: int = 90):
     """`kernel` built for CUDA compute capability `capability` (default Hopper) with these flags
     (the HAS_* constexprs, and IN_PLACE and PTX, by default as on a GPU; those it does not take
-    are ignored), tile, launch shape and column blocks per head (fused._split)."""
-    block_p, block_d = PARTIALS_TILE["read"]
-    constants = {"IN_PLACE": True, "PTX": True, **flags, **_tile(width, heads), "SPLIT": split, "BLOCK_T": rows,
+    are ignored), tile, launch shape and column blocks per head (launch.column_blocks)."""
+    block_p, block_d = launch.current().partials_tile["read"]
+    constants = {"IN_PLACE": True, "PTX": True, **flags, **launch.tile(width, heads), "SPLIT": split, "BLOCK_T": rows,
                  "STAGES": stages, "BLOCK_P": block_p, "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
