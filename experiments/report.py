@@ -20,6 +20,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from mhar_cli import folder_module
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan import (  # noqa: E402
     ARMS, FROM_SCRATCH, MIDTRAIN, MIDTRAIN_FRACTION, MIDTRAIN_OPTIMISER, MIDTRAIN_SEED, OPTIMISER, RECIPES, SEED_PAIRS,
@@ -27,9 +29,11 @@ from plan import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
+CONTRACT = folder_module()  # mhar_hf.folder (record names and classes), without loading torch
 TOKENS_PER_PARAMETER = 20  # the least budget per non-embedding parameter at which the comparison means much
-ARM_FILES = {"run/metrics.jsonl": "metrics.jsonl", "info.json": "info.json", "run/model/mhar_training.json": "training.json",
-             "step0.json": "step0.json", "calibration/metrics.jsonl": "calibration.jsonl"}
+ARM_FILES = {"run/metrics.jsonl": "metrics.jsonl", "info.json": "info.json",
+             f"run/model/{CONTRACT.TRAINING_RECORD}": "training.json", "step0.json": "step0.json",
+             "calibration/metrics.jsonl": "calibration.jsonl"}
 
 
 def collect(runs: Path, corpus: Path | None, results: Path) -> None:
@@ -56,12 +60,13 @@ def read_arm(results: Path, name: str) -> dict | None:
     if not (folder / "metrics.jsonl").is_file():
         return None
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    info, training = read_json(folder / "info.json") or {}, read_json(folder / "training.json")
+    info, training_file = read_json(folder / "info.json") or {}, folder / "training.json"
+    training = CONTRACT.TrainingRecord.read_file(training_file) if training_file.is_file() else None
     speeds = [r["tokens_per_s"] for r in records[1:]] or [records[-1]["tokens_per_s"]]
     vals = [(r["tokens"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     return {
         "records": records, "info": info, "finished": bool(info.get("finished")) and training is not None,
-        "val_loss": training["final_val_loss"] if training else (vals[-1][1] if vals else None),
+        "val_loss": training.final_val_loss if training else (vals[-1][1] if vals else None),
         "val_curve": vals, "tokens": records[-1]["tokens"], "steps": records[-1]["step"],
         "tokens_per_s": sorted(speeds)[len(speeds) // 2],
         "peak_gib": max((r.get("peak_memory_gib", 0.0) for r in records), default=0.0),

@@ -94,8 +94,10 @@ def train_command(arm_name: str, model: Path, corpus: Path, output: Path, shape:
 
 
 def finished(output: Path, steps: int) -> bool:
-    meta = output / "model" / "mhar_training.json"
-    return meta.is_file() and json.loads(meta.read_text())["steps"] == steps
+    from mhar_cli import folder_module
+
+    record = folder_module().TrainingRecord.read_if_present(output / "model")  # without loading transformers
+    return record is not None and record.steps == steps
 
 
 def run_pieces(command: list[str], output: Path, log: Path, steps: int, piece_seconds: float, deadline: float,

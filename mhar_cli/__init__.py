@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
+from pathlib import Path
 
 # command (one or two words): module in mhar_cli.commands, in the order `mhar --help` lists them
 COMMANDS = {
@@ -26,6 +28,31 @@ COMMANDS = {
     "card": "card",
 }
 DESCRIPTION = "Multi-Head Attention Residuals for transformers"
+
+
+def folder_module():
+    """`mhar_hf.folder` (the model-folder contract: plain Python) without importing torch, for
+    commands that answer at once. A plain `import mhar_hf.folder` runs `mhar_hf/__init__.py` first,
+    which loads torch and transformers' model code (seconds); so while `mhar_hf` is not imported,
+    the module's file is loaded on its own, under a name of this package. Once `mhar_hf` is
+    imported, its own `mhar_hf.folder` is returned."""
+    if "mhar_hf" in sys.modules:
+        return importlib.import_module("mhar_hf.folder")
+    name = f"{__name__}._mhar_hf_folder"
+    if name not in sys.modules:
+        package = importlib.util.find_spec("mhar_hf")  # finds the package without running it
+        if package is None or not package.submodule_search_locations:
+            raise ModuleNotFoundError("mhar_hf is not installed", name="mhar_hf")
+        location = Path(next(iter(package.submodule_search_locations))) / "folder.py"
+        spec = importlib.util.spec_from_file_location(name, location)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclasses look their module up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def command_module(name: str):

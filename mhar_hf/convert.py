@@ -36,9 +36,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
-from mhar_cli.folder import CONVERSION_RECORD, built_in_place, safetensors_header, utc_now
-
 from .configuration_mhar import MHARConfig
+from .folder import ConversionRecord, built_in_place, is_routing_parameter, safetensors_header
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPE_CHOICES = ("keep", "bfloat16", "float32")
@@ -333,11 +332,11 @@ def plan_conversion(src: str | os.PathLike, heads: int = 8, num_blocks: int = 8,
         expected = {name: tuple(t.shape) for name, t in MHARForCausalLM(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    routing_names = [name for name in expected if "_router." in name]
+    routing_names = [name for name in expected if is_routing_parameter(name)]
 
     dropped = [t.name for t in source_tensors if _is_droppable(t.name, config)]
     backbone = [t for t in source_tensors if t.name not in dropped]
-    _check_names_and_shapes(backbone, {k: v for k, v in expected.items() if "_router." not in k}, model_type)
+    _check_names_and_shapes(backbone, {k: v for k, v in expected.items() if not is_routing_parameter(k)}, model_type)
 
     by_name = {t.name: t for t in backbone}
     if "model.embed_tokens.weight" not in by_name:
@@ -623,26 +622,24 @@ def convert_checkpoint(
                 raise IdentityMismatchError(f"the converted model's outputs differ from the source's; nothing "
                                             f"was written to {dst}\n{report.summary()}")
             verification = report.to_dict()
-        provenance = {
-            "source": str(source),
-            "source_model_type": plan.source_model_type,
-            "source_format": plan.source_format,
-            "source_files": [p.name for p in plan.source_files],
-            "heads": heads,
-            "num_blocks": num_blocks,
-            "dtype": dtype,
-            "stored_dtypes": sorted({DTYPE_CODES[t.dtype] for t in plan.tensors}),
-            "max_shard_size": max_shard_size,
-            "shards": shards,
-            "routing_tensors": routing,
-            "dropped_tensors": plan.dropped_tensors,
-            "ignored_config_fields": plan.ignored_config_fields,
-            "copied_files": copied,
-            "verification": verification,
-            "mhar_hf_version": __version__,
-            "date": utc_now(),
-        }
-        (tmp / CONVERSION_RECORD).write_text(json.dumps(provenance, indent=2) + "\n")
+        ConversionRecord(
+            source=str(source),
+            source_model_type=plan.source_model_type,
+            source_format=plan.source_format,
+            source_files=[p.name for p in plan.source_files],
+            heads=heads,
+            num_blocks=num_blocks,
+            dtype=dtype,
+            stored_dtypes=sorted({DTYPE_CODES[t.dtype] for t in plan.tensors}),
+            max_shard_size=max_shard_size,
+            shards=shards,
+            routing_tensors=routing,
+            dropped_tensors=plan.dropped_tensors,
+            ignored_config_fields=plan.ignored_config_fields,
+            copied_files=copied,
+            verification=verification,
+            mhar_hf_version=__version__,
+        ).write(tmp)
     log(f"wrote {dst}")
     return dst
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from mhar_cli.folder import built_in_place, utc_now
+from .folder import EvalRecord, built_in_place
 
 PAPER_TASKS = ("gsm8k", "gpqa_main_zeroshot")
 TASK_TEMPLATES = Path(str(resources.files("mhar_hf") / "tasks"))  # package data
@@ -308,22 +308,20 @@ def evaluate(
                         line = {**sample, "correct": None if value is None else float(value) == 1.0}
                         f.write(json.dumps(line, default=handle_non_serializable, ensure_ascii=False) + "\n")
         config = json.loads((model_dir / "config.json").read_text())
-        merged["mhar"] = {
-            "model": str(model_dir),
-            "model_type": config.get("model_type"),
-            "tasks": list(primary),
-            "primary": {name: {"metric": m, "filter": f} for name, (m, f) in primary.items()},
-            "limit": limit,
-            "data_dir": str(Path(data_dir).resolve()) if data_dir is not None else None,
-            "max_gen_toks": max_gen_toks,
-            "seed": seed,
-            "batch_size": str(batch_size),
-            "mhar_hf_version": mhar_hf.__version__,
-            "lm_eval_version": _version("lm_eval"),
-            "date": utc_now(),
-        }
-        (partial / "results.json").write_text(
-            json.dumps(merged, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+        record = EvalRecord(
+            model=str(model_dir),
+            model_type=config.get("model_type"),
+            tasks=list(primary),
+            primary={name: {"metric": m, "filter": f} for name, (m, f) in primary.items()},
+            limit=limit,
+            data_dir=str(Path(data_dir).resolve()) if data_dir is not None else None,
+            max_gen_toks=max_gen_toks,
+            seed=seed,
+            batch_size=str(batch_size),
+            mhar_hf_version=mhar_hf.__version__,
+            lm_eval_version=_version("lm_eval"),
+        )
+        record.write(partial, merged, default=handle_non_serializable)
     report(make_table(merged))
     report(f"run folder: {out}")
     return out

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mhar_cli.folder import PROBE_FILES, PROBE_FOLDER, read_mhar_config, write_atomically
+from .folder import PROBE_FILES, PROBE_FOLDER, read_mhar_config, write_atomically
 from .routing import routing_keys, routing_weights
 
 SLICES = 4

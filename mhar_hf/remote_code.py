@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mhar_cli.folder import read_mhar_config, write_atomically
+from .folder import read_mhar_config, write_atomically
 
 BUNDLE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "routing.py")
 AUTO_MAP = {

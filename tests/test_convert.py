@@ -231,7 +231,7 @@ def test_a_killed_conversion_is_cleaned_up_by_the_next(tmp_path, capsys):
     """What a killed `mhar convert` left (a staging folder of a process that no longer runs) goes
     with the next conversion to that folder; one of a live process stays; parent folders a
     refused conversion would have needed are not made."""
-    from mhar_cli.folder import _this_host
+    from mhar_hf.folder import _this_host
 
     src = save_source(tmp_path / "src", "Llama-3.2-1B")
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

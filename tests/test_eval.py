@@ -315,7 +315,7 @@ def test_a_refused_or_failed_run_leaves_nothing(workspace, tmp_path, monkeypatch
     assert not (model / "eval").exists()
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    from mhar_cli.folder import _this_host
+    from mhar_hf.folder import _this_host
 
     leftover = tmp_path / "runs" / f".run.evaluating-{_this_host()}-{int(dead.stdout)}-abc"
     leftover.mkdir(parents=True)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from train_setup import convert_tiny_llama
 
+from mhar_hf.folder import is_routing_parameter
 from mhar_hf.tiny import demo_corpus
 from mhar_hf.train import no_weight_decay_on_routing
-from mhar_cli.folder import is_routing_parameter
 
 STEPS = 4
 

@@ -24,6 +24,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
+    from mhar_hf.folder import PROBE_FILES
     from mhar_hf.probe import format_table, probe_folder
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -39,5 +40,5 @@ def run(args) -> int:
         device=device,
     )
     print(format_table(report))
-    print(f"wrote probe.json, routing_heatmap.png and head_deviation.png to {out}")
+    print(f"wrote {', '.join(PROBE_FILES[:-1])} and {PROBE_FILES[-1]} to {out}")
     return 0

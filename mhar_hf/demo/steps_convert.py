@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,15 +39,14 @@ def step_train_llama(ctx: DemoContext, steps: int = LLAMA_STEPS) -> str:
 
 def step_convert(ctx: DemoContext) -> str:
     """Convert the Llama checkpoint into an MHAR delta model (H=4, 2 blocks)."""
-    from mhar_cli.folder import CONVERSION_RECORD
-
     from ..convert import convert_checkpoint
+    from ..folder import ConversionRecord
 
     path = convert_checkpoint(ctx.artifacts["llama_path"], ctx.workdir / "converted", heads=4, num_blocks=2,
                               log=lambda line: None)
     ctx.artifacts["converted_path"] = path
-    provenance = json.loads((path / CONVERSION_RECORD).read_text())
-    return (f"{path}: {len(provenance['shards'])} shard(s), {provenance['routing_tensors']} routing tensors added "
+    provenance = ConversionRecord.read(path)
+    return (f"{path}: {len(provenance.shards)} shard(s), {provenance.routing_tensors} routing tensors added "
             f"(zero gates), tokenizer and remote code copied")
 
 

@@ -46,6 +46,7 @@ def final_model(ctx: DemoContext) -> Path:
 def step_evaluate(ctx: DemoContext) -> str:
     from ..compare import compare_runs
     from ..evaluate import evaluate
+    from ..folder import EvalRecord
 
     data = write_synthetic_data(ctx.workdir / "eval-data")
     final = final_model(ctx)
@@ -62,10 +63,10 @@ def step_evaluate(ctx: DemoContext) -> str:
         harness_log.setLevel(level)
     ctx.artifacts["eval_runs"] = runs
     scores = []
+    info, results = EvalRecord.read_run(runs[0])
     for task in TASKS:
-        info = json.loads((runs[0] / "results.json").read_text())
-        metric = "{metric},{filter}".format(**info["mhar"]["primary"][task])
-        scores.append(f"{task} {info['results'][task][metric]:.2f}")
+        metric = "{metric},{filter}".format(**info.primary[task])
+        scores.append(f"{task} {results['results'][task][metric]:.2f}")
     line = f"{models[0].name} on {ITEMS} synthetic items per task: " + ", ".join(scores)
     if len(runs) == 2:
         pairs = compare_runs(runs[0], runs[1])

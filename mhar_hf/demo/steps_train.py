@@ -14,8 +14,8 @@ MIDTRAIN_STEPS = 30
 
 
 def step_midtrain(ctx: DemoContext, steps: int = MIDTRAIN_STEPS) -> str:
+    from ..folder import TrainingRecord
     from ..train import build_parser, train
-    from mhar_cli.folder import TRAINING_RECORD
 
     source = ctx.artifacts.get("converted_path") or ctx.artifacts["scratch_path"]
     data = ctx.workdir / "midtrain.jsonl"
@@ -30,9 +30,9 @@ def step_midtrain(ctx: DemoContext, steps: int = MIDTRAIN_STEPS) -> str:
     ])
     path = train(args)
     ctx.artifacts["midtrained_path"] = path
-    meta = json.loads((path / TRAINING_RECORD).read_text())
+    meta = TrainingRecord.read(path)
     metrics = [json.loads(line) for line in (path.parent / "metrics.jsonl").read_text().splitlines()]
     vals = [m["val_loss"] for m in metrics if "val_loss" in m]
-    return (f"{meta['steps']} steps, {meta['tokens']:,} tokens: train loss {metrics[0]['loss']:.2f} -> "
-            f"{meta['final_train_loss']:.2f}, val loss {vals[0]:.2f} -> {vals[-1]:.2f}, "
+    return (f"{meta.steps} steps, {meta.tokens:,} tokens: train loss {metrics[0]['loss']:.2f} -> "
+            f"{meta.final_train_loss:.2f}, val loss {vals[0]:.2f} -> {vals[-1]:.2f}, "
             f"|gate| mean {metrics[-1].get('gate_abs_mean', 0):.4f}; EMA model saved to {path}")

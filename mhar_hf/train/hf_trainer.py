@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mhar_cli.folder import is_routing_parameter
+from ..folder import is_routing_parameter
 
 
 def no_weight_decay_on_routing(trainer):

@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from mhar_cli.folder import TRAINING_RECORD, utc_now
-
+from ..folder import TrainingRecord, built_in_place, is_router_module, is_routing_parameter
 from .checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -27,7 +25,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data import build_corpus, check_sources
-from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss, is_routing_parameter
+from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss
 from .options import check_options
 from .run_folder import check_output, run_folder, stop_with_launcher
 
@@ -57,7 +55,7 @@ def configure_trainable(model, args):
     if args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        routers = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name.endswith("_router")})
+        routers = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if is_router_module(name)})
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                           target_modules=args.lora_targets.split(","), modules_to_save=routers or None)
         return get_peft_model(model, lora)
@@ -295,39 +293,38 @@ def _resolved(path) -> str:
     return str(Path(path).resolve()) if Path(path).exists() else str(path)
 
 
-def training_metadata(args, accelerator, state: TrainerState, last: dict, save_dtype: torch.dtype) -> dict:
+def training_metadata(args, accelerator, state: TrainerState, last: dict, save_dtype: torch.dtype) -> TrainingRecord:
     """What `mhar_training.json` records about the run."""
     import mhar_hf
 
-    return {
-        "source_model": _resolved(args.model), "steps": state.step, "tokens": state.tokens,
-        "data": [_resolved(d) for d in args.data], "val_data": [_resolved(d) for d in args.val_data or []],
-        "seq_length": args.seq_length,
-        "global_batch_sequences": accelerator.num_processes * args.batch_size * args.grad_accum,
-        "processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type.value),
-        "lr_schedule": {"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
-                        "warmup_steps": args.warmup_steps, "decay_fraction": args.decay_fraction,
-                        "routing_lr_multiplier": args.routing_lr_multiplier},
-        "weight_decay": args.weight_decay, "z_loss": args.z_loss, "ema_decay": args.ema_decay or None,
-        "trainable": "routing" if args.train_only_routing else (f"lora-r{args.lora_rank}" if args.lora_rank else "all"),
-        "lora_merged": bool(args.merge_lora) if args.lora_rank else None,
-        "final_train_loss": last.get("loss"), "final_val_loss": last.get("val_loss"),
-        "mixed_precision": accelerator.mixed_precision, "saved_dtype": str(save_dtype).removeprefix("torch."),
-        "mhar_hf_version": mhar_hf.__version__,
-        "date": utc_now(),
-    }
+    return TrainingRecord(
+        source_model=_resolved(args.model), steps=state.step, tokens=state.tokens,
+        data=[_resolved(d) for d in args.data], val_data=[_resolved(d) for d in args.val_data or []],
+        seq_length=args.seq_length,
+        global_batch_sequences=accelerator.num_processes * args.batch_size * args.grad_accum,
+        processes=accelerator.num_processes, distributed_type=str(accelerator.distributed_type.value),
+        lr_schedule={"schedule": args.schedule, "peak_lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
+                     "warmup_steps": args.warmup_steps, "decay_fraction": args.decay_fraction,
+                     "routing_lr_multiplier": args.routing_lr_multiplier},
+        weight_decay=args.weight_decay, z_loss=args.z_loss, ema_decay=args.ema_decay or None,
+        trainable="routing" if args.train_only_routing else (f"lora-r{args.lora_rank}" if args.lora_rank else "all"),
+        lora_merged=bool(args.merge_lora) if args.lora_rank else None,
+        final_train_loss=last.get("loss"), final_val_loss=last.get("val_loss"),
+        mixed_precision=accelerator.mixed_precision, saved_dtype=str(save_dtype).removeprefix("torch."),
+        mhar_hf_version=mhar_hf.__version__,
+    )
 
 
-def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: dict,
+def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, metadata: TrainingRecord,
                      save_dtype: torch.dtype) -> Path:
     """`OUT/model`: from_pretrained weights in `save_dtype` (the EMA when on; LoRA merged, or as
-    an adapter), tokenizer, remote-code bundle and `mhar_training.json`, written to a temporary
-    folder and renamed."""
+    an adapter), tokenizer, remote-code bundle and `mhar_training.json`, built in a staging
+    folder beside it and renamed into place (`built_in_place`)."""
     from transformers import AutoConfig
 
     from ..remote_code import save_remote_code
 
-    final, tmp = output / "model", output / ".tmp-model"
+    final = output / "model"
     accelerator.wait_for_everyone()
     if ema is not None:
         ema.swap()
@@ -337,23 +334,20 @@ def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, met
         unwrapped = unwrapped.merge_and_unload()
     state_dict = accelerator.get_state_dict(model) if not args.lora_rank else None
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if adapter:
-            unwrapped.save_pretrained(tmp)
-        else:
-            weights = state_dict if state_dict is not None else unwrapped.state_dict()
-            weights = {name: t.to(save_dtype) if t.is_floating_point() else t for name, t in weights.items()}
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            config = AutoConfig.from_pretrained(tmp)  # save_pretrained records the model's own dtype
-            config.dtype = save_dtype
-            config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if getattr(unwrapped.config, "model_type", None) == "mhar" and not adapter:
-            save_remote_code(tmp)
-        (tmp / TRAINING_RECORD).write_text(json.dumps(metadata, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with built_in_place(final, "saving", accelerator.print) as tmp:
+            if adapter:
+                unwrapped.save_pretrained(tmp)
+            else:
+                weights = state_dict if state_dict is not None else unwrapped.state_dict()
+                weights = {name: t.to(save_dtype) if t.is_floating_point() else t for name, t in weights.items()}
+                unwrapped.save_pretrained(tmp, state_dict=weights)
+                config = AutoConfig.from_pretrained(tmp)  # save_pretrained records the model's own dtype
+                config.dtype = save_dtype
+                config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if getattr(unwrapped.config, "model_type", None) == "mhar" and not adapter:
+                save_remote_code(tmp)
+            metadata.write(tmp)
     accelerator.wait_for_everyone()
     if ema is not None:
         ema.swap()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mhar_cli.folder import is_routing_parameter
+from ..folder import is_routing_parameter
 
 SCHEDULES = ("cosine", "wsd", "1-sqrt", "constant")
 

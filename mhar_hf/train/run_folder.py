@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from mhar_cli.folder import utc_now
+from ..folder import utc_now
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "model")
 LOCK_FILE = ".mhar-train.lock"
