@@ -5,16 +5,10 @@ Module and parameter names follow `modeling_llama.py` so that Llama checkpoints,
 names and tensor-parallel plans keep working. The routing parameters of each read live in a
 small `MHARRouter` submodule (`layers.N.attn_router`, `layers.N.mlp_router`, `final_router`).
 
-The residual state passed between layers is a flat tuple of tensors (reentrant activation
-checkpointing follows gradients only through a layer's positional tensor arguments); its layout
-depends on `config.residual_mode`:
-  standard  (hidden,)                       the plain residual
-  full      (sources...)                    every sublayer output so far, the embedding first
-  block     (blocks..., partial)            finished block sums and the running one
-  delta     (stream, boundary, blocks..., reads...)   the plain residual, the stream at the last
-                                            block boundary, its block deltas (a layer knows how
-                                            many it receives), and the gated reads of later sites
-                                            computed ahead (see `reads_ahead`)
+The residual state passed between layers is one NamedTuple per `config.residual_mode`, its
+fields named (see `StandardState`, `FullState`, `BlockState`, `DeltaState`). A layer takes it as
+flat positional tensors (`state.flat()`) and returns the next one flat, because reentrant
+activation checkpointing follows gradients only through a layer's positional tensor arguments.
 States are never mutated, so a layer recomputed under activation checkpointing sees exactly the
 inputs of its first run.
 
@@ -24,8 +18,9 @@ from, the stream in `standard` and `delta` mode and the layer's attention read i
 """
 
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -64,9 +59,104 @@ else:
     FSDPModule = DTensor = None
 
 
+# Residual states, one per mode. Each says what its fields hold, lays them out flat for a layer's
+# positional arguments (`flat`, `from_flat`), and names the sources a read of its mode takes
+# (`source_labels`: every read takes the first N of one order, so index n is the same source at
+# every site; these are the routing probe's labels).
+
+
+class StandardState(NamedTuple):
+    """standard mode: Llama's residual."""
+
+    stream: torch.Tensor
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return (self.stream,)
+
+    @classmethod
+    def from_flat(cls, tensors: Sequence[torch.Tensor]) -> "StandardState":
+        (stream,) = tensors
+        return cls(stream)
+
+    @staticmethod
+    def source_labels(count: int) -> list[str]:
+        raise ValueError("residual_mode='standard' has no routing sites")
+
+
+class FullState(NamedTuple):
+    """full mode: every depth source so far, in the order made."""
+
+    sources: tuple[torch.Tensor, ...]  # the embedding, then each layer's attention and MLP outputs
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return self.sources
+
+    @classmethod
+    def from_flat(cls, tensors: Sequence[torch.Tensor]) -> "FullState":
+        return cls(tuple(tensors))
+
+    @staticmethod
+    def source_labels(count: int) -> list[str]:
+        """emb, attn0, mlp0, attn1, mlp1, ..."""
+        return ["emb"] + [f"{('attn', 'mlp')[(n - 1) % 2]}{(n - 1) // 2}" for n in range(1, count)]
+
+
+class BlockState(NamedTuple):
+    """block mode: the finished block sums and the running one."""
+
+    blocks: tuple[torch.Tensor, ...]  # the embedding (block 0), then each finished block's sum
+    partial: torch.Tensor  # the running sum of the block in progress (the embedding before layer 0)
+
+    @property
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        """What a read takes: the finished blocks and the running one."""
+        return (*self.blocks, self.partial)
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return self.sources
+
+    @classmethod
+    def from_flat(cls, tensors: Sequence[torch.Tensor]) -> "BlockState":
+        return cls(tuple(tensors[:-1]), tensors[-1])
+
+    @staticmethod
+    def source_labels(count: int) -> list[str]:
+        """emb, block1, block2, ...: a read's last source is the block in progress."""
+        return ["emb"] + [f"block{n}" for n in range(1, count)]
+
+
+class DeltaState(NamedTuple):
+    """delta mode: the plain residual and the block entries its gated reads take."""
+
+    stream: torch.Tensor
+    boundary: torch.Tensor  # the stream where the current block started
+    blocks: tuple[torch.Tensor, ...]  # the embedding, then each ended block's change of the stream
+    reads_ahead: tuple[torch.Tensor, ...]  # later sites' reads, made at their block's start (see the layer's)
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return (self.stream, self.boundary, *self.blocks, *self.reads_ahead)
+
+    @classmethod
+    def from_flat(cls, tensors: Sequence[torch.Tensor], num_blocks: int) -> "DeltaState":
+        """`num_blocks`: how many of the tensors are block entries (the layer knows)."""
+        return cls(tensors[0], tensors[1], tuple(tensors[2:2 + num_blocks]), tuple(tensors[2 + num_blocks:]))
+
+    @staticmethod
+    def source_labels(count: int) -> list[str]:
+        """null, emb, block1, ...: each read's null source, then the block entries."""
+        return (["null", "emb"] + [f"block{n}" for n in range(1, count - 1)])[:count]
+
+
+RESIDUAL_STATES = {"standard": StandardState, "full": FullState, "block": BlockState, "delta": DeltaState}
+
+
 class MHARRouter(nn.Module):
     """One routing site: a pseudo-query and a key-norm weight; in delta mode also a null source
-    and a gate, and the read returns `gate * mix` (the decoder layer adds the stream)."""
+    and a gate, and a read returns `gate * mix` (the decoder layer adds the stream).
+
+    A site reads in one of three ways: `read`, `read_and_start` (a read that begins the next
+    site's read of the same sources and more) and `read_group` (reads of several sites at once).
+    `router(sources, ...)` is `router.read(sources, ...)`."""
 
     def __init__(self, config: MHARConfig, gated: bool):
         super().__init__()
@@ -80,33 +170,40 @@ class MHARRouter(nn.Module):
             self.null_source = nn.Parameter(torch.zeros(config.hidden_size))
             self.gate = nn.Parameter(torch.zeros(1))  # 1-D: FSDP rejects 0-d parameters
 
-    def forward(
-        self,
-        sources: tuple[torch.Tensor, ...],
-        residual: torch.Tensor | None = None,
-        prefix=None,
-        begin: "MHARRouter | None" = None,
-        ahead: tuple["MHARRouter", ...] = (),
-    ):
-        """The read; with `residual` a gated read returns `residual + gate * mix`.
+    def read(self, sources: Sequence[torch.Tensor], residual: torch.Tensor | None = None,
+             prefix=None) -> torch.Tensor:
+        """The site's read of `sources` (each `[..., d]`): the per-head softmax mix (`routing.route`).
+        A gated site returns `gate * mix`, or with `residual` (the stream) `residual + gate * mix`.
+        `prefix` (from another site's `read_and_start`) ends the read begun there."""
+        return self(sources, residual=residual, prefix=prefix)
 
-        Split reads (see `routing.route_and_start`): with `begin`, the router whose read takes
-        these sources and more, returns (read, prefix), and that router's read then gets
-        `prefix=prefix` with its sources.
-        Grouped reads (see `routing.route_group`): with `ahead`, gated routers whose reads take
-        these same sources later, returns the reads of this router and of those, computed
-        together; those routers are not called (hooks see `ahead` here instead)."""
-        if ahead:
-            routers = (self, *ahead)
-            if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
-                raise ValueError("grouped reads are of gated routers of the same heads and eps")
-            reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in Read._fields)) for r in routers]
-            return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
-        if begin is not None:
-            if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
-                raise ValueError("a split read pairs two ungated routers of the same heads and eps")
-            return route_and_start(sources, self.query, self.key_norm_weight, begin.query, begin.key_norm_weight,
-                                   self.num_heads, self.eps, self.implementation)
+    def read_and_start(self, sources: Sequence[torch.Tensor], begin: "MHARRouter") -> tuple[torch.Tensor, object]:
+        """This site's read of `sources`, and the start of `begin`'s read, which takes these sources
+        and more (full mode: a layer's attention read, then its MLP read): returns (read, prefix),
+        and `begin.read(more_sources, prefix=prefix)` then folds in only the sources added
+        (`routing.route_and_start`; off the fused path the prefix is None). Ungated sites only."""
+        return self(sources, use="read_and_start", begin=begin)
+
+    def read_group(self, sources: Sequence[torch.Tensor], ahead: Sequence["MHARRouter"]) -> tuple[torch.Tensor, ...]:
+        """The reads of `sources` by this site and by the sites `ahead`, which read the same sources
+        later (delta mode's block spans), made together (`routing.route_group`): this site's read
+        first, each `gate * mix`. Gated sites only. The sites ahead are not called; their
+        parameters are gathered here when FSDP2 holds them sharded (`_whole`)."""
+        return self(sources, use="read_group", ahead=tuple(ahead))
+
+    # The three reads run through `__call__` (this dispatch on `use`), so module hooks see each: the probe's
+    # and benchmarks' pre-hooks take its sources and `begin`/`ahead`; FSDP2 shards layers, not routers (`_whole`).
+    def forward(self, sources: Sequence[torch.Tensor], *, use: str = "read", **arguments):
+        """Runs the read that `use` names (`read`, `read_and_start`, `read_group`): call those methods."""
+        if use == "read":
+            return self._read(sources, **arguments)
+        if use == "read_and_start":
+            return self._read_and_start(sources, **arguments)
+        if use == "read_group":
+            return self._read_group(sources, **arguments)
+        raise ValueError(f"use={use!r}: a router reads by 'read', 'read_and_start' or 'read_group'")
+
+    def _read(self, sources, residual=None, prefix=None):
         return route(
             sources,
             self.query,
@@ -119,6 +216,19 @@ class MHARRouter(nn.Module):
             residual=residual,
             prefix=prefix,
         )
+
+    def _read_and_start(self, sources, begin):
+        if self.gated or begin.gated or (begin.num_heads, begin.eps) != (self.num_heads, self.eps):
+            raise ValueError("a split read pairs two ungated routers of the same heads and eps")
+        return route_and_start(sources, self.query, self.key_norm_weight, begin.query, begin.key_norm_weight,
+                               self.num_heads, self.eps, self.implementation)
+
+    def _read_group(self, sources, ahead):
+        routers = (self, *ahead)
+        if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
+            raise ValueError("grouped reads are of gated routers of the same heads and eps")
+        reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in Read._fields)) for r in routers]
+        return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
 
     def extra_repr(self) -> str:
         return f"{self.query.shape[0]}, heads={self.num_heads}, gated={self.gated}"
@@ -227,8 +337,9 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
-        """`residual`: the residual state, flat (see the module docstring). Returns the layer's
-        hidden state (what its attention sublayer starts from) followed by the next state."""
+        """`residual`: the residual state's tensors, flat (`state.flat()`). Returns the layer's
+        hidden state (what its attention sublayer starts from) followed by the next state's
+        tensors (`unflatten(..., returned=True)` names them)."""
         attend = partial(
             self.attention_sublayer,
             attention_mask=attention_mask,
@@ -238,8 +349,15 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden, residual = getattr(self, f"_forward_{self.residual_mode}")(residual, attend)
-        return hidden, *residual
+        hidden, state = getattr(self, f"_forward_{self.residual_mode}")(self.unflatten(residual), attend)
+        return hidden, *state.flat()
+
+    def unflatten(self, tensors: Sequence[torch.Tensor], returned: bool = False):
+        """The residual state in the flat `tensors`: the one this layer receives, or with
+        `returned` the one it returns (see the module docstring)."""
+        if self.residual_mode == "delta":  # a block's last layer returns one block entry more
+            return DeltaState.from_flat(tensors, self.blocks_received + int(returned and self.ends_block))
+        return RESIDUAL_STATES[self.residual_mode].from_flat(tensors)
 
     # Each sublayer adds delta mode's gated `read` to its input and its output to `residual` when
     # given them: inside the sublayer, so that a compiled sublayer fuses the adds (and their
@@ -264,54 +382,55 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         before it (see `routing.track`)."""
         return track(tensor, self.routing_implementation, after)
 
-    # Each mode's step returns (the layer's hidden state, the next residual state).
-    def _forward_standard(self, residual, attend):
-        (hidden,) = residual
-        stream = attend(hidden, residual=hidden)
-        return hidden, (self.mlp_sublayer(stream, residual=stream),)
+    # Each mode's step takes the layer's residual state and returns (its hidden state, the next state).
+    def _forward_standard(self, state: StandardState, attend):
+        stream = attend(state.stream, residual=state.stream)
+        return state.stream, StandardState(self.mlp_sublayer(stream, residual=stream))
 
-    def _forward_full(self, sources, attend):
+    def _forward_full(self, state: FullState, attend):
+        sources = state.sources
         # the MLP read takes the attention read's sources and one more: one pass serves both
         if self.attn_router is not None:
-            hidden, prefix = self.attn_router(sources, begin=self.mlp_router)
+            hidden, prefix = self.attn_router.read_and_start(sources, begin=self.mlp_router)
         else:
             hidden, prefix = sources[0], None
         sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
-        mlp_input = self.mlp_router(sources, prefix=prefix)
-        return hidden, (*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1]))
+        mlp_input = self.mlp_router.read(sources, prefix=prefix)
+        return hidden, FullState((*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1])))
 
-    def _forward_block(self, residual, attend):
-        blocks, newest = residual[:-1], residual[-1]
-        hidden = self.attn_router(residual) if self.attn_router is not None else newest
+    def _forward_block(self, state: BlockState, attend):
+        blocks, partial = state.blocks, state.partial
+        hidden = self.attn_router.read(state.sources) if self.attn_router is not None else partial
         if self.starts_block:
-            blocks, running = (*blocks, newest), attend(hidden)
+            blocks, running = (*blocks, partial), attend(hidden)
         else:
-            running = attend(hidden, residual=newest)
-        running = self.depth_source(running, after=newest)
-        running_after_mlp = self.mlp_sublayer(self.mlp_router((*blocks, running)), residual=running)
-        return hidden, (*blocks, self.depth_source(running_after_mlp, after=running))
+            running = attend(hidden, residual=partial)
+        running = self.depth_source(running, after=partial)
+        running_after_mlp = self.mlp_sublayer(self.mlp_router.read((*blocks, running)), residual=running)
+        return hidden, BlockState(blocks, self.depth_source(running_after_mlp, after=running))
 
-    def _forward_delta(self, residual, attend):
-        stream_in, boundary = residual[:2]
-        blocks, ahead = residual[2:2 + self.blocks_received], residual[2 + self.blocks_received:]
+    def _forward_delta(self, state: DeltaState, attend):
+        blocks, ahead = state.blocks, state.reads_ahead
         read = None
         if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
             read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
         if self.starts_block and self.reads_ahead and _whole_here(self.reads_ahead):
-            ahead = self.mlp_router(blocks, ahead=tuple(getattr(layer, name) for layer, name in self.reads_ahead))
-        stream = attend(stream_in, residual=stream_in, read=read)
+            ahead = self.mlp_router.read_group(blocks, [getattr(layer, name) for layer, name in self.reads_ahead])
+        stream = attend(state.stream, residual=state.stream, read=read)
         read, ahead = self._delta_read(self.mlp_router, blocks, ahead)
         if not self.ends_block:
-            return stream_in, (self.mlp_sublayer(stream, residual=stream, read=read), boundary, *blocks, *ahead)
+            stream = self.mlp_sublayer(stream, residual=stream, read=read)
+            return state.stream, state._replace(stream=stream, reads_ahead=ahead)
         # the delta from the sublayer, where compiled it costs no kernel of its own either way
-        stream, delta = self.mlp_sublayer(stream, residual=stream, read=read, boundary=boundary)
-        return stream_in, (stream, stream, *blocks, self.depth_source(delta, after=blocks[-1]), *ahead)
+        stream, delta = self.mlp_sublayer(stream, residual=stream, read=read, boundary=state.boundary)
+        blocks = (*blocks, self.depth_source(delta, after=blocks[-1]))
+        return state.stream, DeltaState(stream, boundary=stream, blocks=blocks, reads_ahead=ahead)
 
     @staticmethod
     def _delta_read(router, blocks, ahead):
         """A delta read, `gate * mix`, and the reads still ahead: the first of `ahead` when the
         block's reads were computed together, else the router's own read."""
-        return (ahead[0], ahead[1:]) if ahead else (router(blocks), ())
+        return (ahead[0], ahead[1:]) if ahead else (router.read(blocks), ())
 
 
 def _group_delta_reads(layers) -> None:
@@ -388,21 +507,24 @@ class MHARModel(MHARPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def initial_residual(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def initial_state(self, embeddings: torch.Tensor):
         """The residual state before layer 0 (see the module docstring)."""
         mode = self.config.residual_mode
-        if mode in ("full", "block"):
-            return (track(embeddings, self.config.routing_implementation),)
-        if mode == "delta":  # the embedding is the first block
-            return embeddings, embeddings, track(embeddings, self.config.routing_implementation)
-        return (embeddings,)
+        if mode == "full":
+            return FullState(sources=(track(embeddings, self.config.routing_implementation),))
+        if mode == "block":
+            return BlockState(blocks=(), partial=track(embeddings, self.config.routing_implementation))
+        if mode == "delta":  # the embedding is the first block entry
+            first = track(embeddings, self.config.routing_implementation)
+            return DeltaState(stream=embeddings, boundary=embeddings, blocks=(first,), reads_ahead=())
+        return StandardState(stream=embeddings)
 
-    def final_hidden(self, residual: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def final_hidden(self, state) -> torch.Tensor:
         """The input of the final norm: the last routed read (of every source in full mode, of
         the blocks and the running one in block mode), or the plain stream."""
         if self.config.residual_mode in ("full", "block"):
-            return self.final_router(residual)
-        return residual[0]
+            return self.final_router.read(state.sources)
+        return state.stream
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -443,10 +565,10 @@ class MHARModel(MHARPreTrainedModel):
 
         keep = self._hidden_states_to_keep(output_hidden_states)
         all_hidden_states = []
-        residual = self.initial_residual(inputs_embeds)
+        state = self.initial_state(inputs_embeds)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden, *residual = decoder_layer(
-                *residual,
+            hidden, *tensors = decoder_layer(
+                *state.flat(),
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -454,9 +576,10 @@ class MHARModel(MHARPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+            state = decoder_layer.unflatten(tensors, returned=True)
             if keep is not None:
                 all_hidden_states.append(hidden if len(all_hidden_states) in keep else None)
-        hidden_states = self.norm(self.final_hidden(residual))
+        hidden_states = self.norm(self.final_hidden(state))
         if keep is not None:
             all_hidden_states.append(hidden_states if len(all_hidden_states) in keep else None)
         return BaseModelOutputWithPast(

@@ -1,9 +1,10 @@
 """The routing probe: what each head of each routing site reads, averaged over a text, and the
 paper's measures of how much heads and query slices disagree (docs/method.md).
 
-`RoutingProbe` is a context manager that puts a forward pre-hook on every `MHARRouter` (in delta
-mode a router also observes the sites it reads ahead for). The hook only reads the sources and
-the sites' parameters, so the forward's results are unchanged.
+`RoutingProbe` is a context manager that puts a forward pre-hook on every `MHARRouter`: each of a
+router's reads runs through its `__call__`, and a grouped read (`read_group`, delta mode) names
+the sites it reads for in its `ahead` keyword, so the router observes those sites too. The hook
+only reads the sources and the sites' parameters, so the forward's results are unchanged.
 Per site it accumulates, over tokens:
   - the routing weights of every head over the site's sources (`routing_weights`);
   - width disagreement: each head's query and keys cut into S contiguous slices, each slice
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .folder import PROBE_FILES, PROBE_FOLDER, read_mhar_config, write_atomically
+from .modeling_mhar import RESIDUAL_STATES
 from .routing import routing_keys, routing_weights
 
 SLICES = 4
@@ -130,18 +132,12 @@ def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def source_labels(mode: str, count: int) -> list[str]:
-    """Names of a site's sources, by index; an index names the same source at every site.
-
-    full: emb, attn0, mlp0, attn1, ...; block: emb, block1, ... (a site's last block is the one in
-    progress); delta: null, emb, block1, ... (later blocks are the stream's change over each block).
-    """
-    if mode == "full":
-        return ["emb"] + [f"{('attn', 'mlp')[(n - 1) % 2]}{(n - 1) // 2}" for n in range(1, count)]
-    if mode == "block":
-        return ["emb"] + [f"block{n}" for n in range(1, count)]
-    if mode == "delta":
-        return (["null", "emb"] + [f"block{n}" for n in range(1, count - 1)])[:count]
-    raise ValueError(f"residual_mode={mode!r} has no routing sites to probe")
+    """Names of a site's `count` sources, by index, as the mode's residual state gives them
+    (`FullState.source_labels`, ...); an index names the same source at every site."""
+    state = RESIDUAL_STATES.get(mode)
+    if state is None:
+        raise ValueError(f"residual_mode={mode!r} has no routing sites to probe")
+    return state.source_labels(count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +206,7 @@ class RoutingProbe:
 
             def hook(module, args, kwargs):
                 sources = args[0] if args else kwargs["sources"]
-                for read in (module, *kwargs.get("ahead", ())):  # routers read with this one (delta mode)
+                for read in (module, *kwargs.get("ahead", ())):  # and the sites of a grouped read
                     site_of[read].observe(sources, self.slices)
 
             self._handles.append(router.register_forward_pre_hook(hook, with_kwargs=True))

@@ -13,6 +13,8 @@ from transformers.masking_utils import create_causal_mask
 
 import mhar_hf
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
+from mhar_hf.modeling_mhar import RESIDUAL_STATES
+from mhar_hf.routing import route_reference
 from mhar_hf.tiny import tiny_config
 
 MODES = ["standard", "full", "block", "delta"]
@@ -82,10 +84,11 @@ def test_real_llama_configs_equal_llama_bit_for_bit(name, mode):
     assert model.config.tie_word_embeddings == fields["tie_word_embeddings"]
 
 
-def reference_forward(model, tokens):
+def reference_forward(model, tokens, seen=None):
     """Each mode's forward written from its definition, routing in fp64 by `per_head_route`:
     the logits, and the hidden states (what each layer's attention starts
-    from: the stream, or the attention read; then the final norm's output)."""
+    from: the stream, or the attention read; then the final norm's output).
+    `seen`, a dict, gets each router's names of the sources it reads, in order."""
     config, inner = model.config, model.model
     heads, mode = config.residual_heads, config.residual_mode
     embeddings = inner.embed_tokens(tokens)
@@ -94,7 +97,9 @@ def reference_forward(model, tokens):
                               position_ids=positions)
     rope = inner.rotary_emb(embeddings, positions)
 
-    def read(sources, router, null=False):
+    def read(sources, router, names, null=False):
+        if seen is not None:
+            seen[router] = ["null", *names] if null else list(names)
         if null:
             sources = [router.null_source.expand_as(sources[0]), *sources]
         if len(sources) == 1:
@@ -108,36 +113,44 @@ def reference_forward(model, tokens):
         return layer.mlp(layer.post_attention_layernorm(h))
 
     hidden = []
+    per_block = config.layers_per_block
     if mode == "full":
-        sources = [embeddings]
-        for layer in inner.layers:
-            hidden.append(read(sources, layer.attn_router))
-            sources.append(attn(layer, hidden[-1]))
-            sources.append(mlp(layer, read(sources, layer.mlp_router)))
-        final = read(sources, inner.final_router)
-    elif mode == "block":
-        blocks, partial = [], embeddings
+        sources, names = [embeddings], ["emb"]
         for i, layer in enumerate(inner.layers):
-            h = partial if not blocks else read(blocks + [partial], layer.attn_router)
+            hidden.append(read(sources, layer.attn_router, names))
+            sources.append(attn(layer, hidden[-1]))
+            names.append(f"attn{i}")
+            sources.append(mlp(layer, read(sources, layer.mlp_router, names)))
+            names.append(f"mlp{i}")
+        final = read(sources, inner.final_router, names)
+    elif mode == "block":  # block n: the sum of the n-th span of layers (block 0: the embedding)
+        blocks, partial = [], embeddings
+        names, partial_name = [], "emb"
+        for i, layer in enumerate(inner.layers):
+            h = partial if not blocks else read(blocks + [partial], layer.attn_router, names + [partial_name])
             hidden.append(h)
-            if i % config.layers_per_block == 0:
+            if i % per_block == 0:
                 blocks.append(partial)
-                partial = None
+                names.append(partial_name)
+                partial, partial_name = None, f"block{i // per_block + 1}"
             a = attn(layer, h)
             partial = a if partial is None else partial + a
-            partial = partial + mlp(layer, read(blocks + [partial], layer.mlp_router))
-        final = read(blocks + [partial], inner.final_router)
-    else:  # delta
-        stream, blocks, boundary = embeddings, [], None
+            partial = partial + mlp(layer, read(blocks + [partial], layer.mlp_router, names + [partial_name]))
+        final = read(blocks + [partial], inner.final_router, names + [partial_name])
+    else:  # delta: entry n > 0 is the stream's change over the n-th span of layers
+        stream, blocks, boundary, names = embeddings, [], None, []
         for i, layer in enumerate(inner.layers):
             # Layer 0 reads no block yet; the model gives its attention no router (see modeling_mhar.py).
             hidden.append(stream)
-            h = stream if not blocks else stream + layer.attn_router.gate * read(blocks, layer.attn_router, null=True)
-            if i % config.layers_per_block == 0:
+            h = stream
+            if blocks:
+                h = stream + layer.attn_router.gate * read(blocks, layer.attn_router, names, null=True)
+            if i % per_block == 0:
                 blocks.append(stream if boundary is None else stream - boundary)
+                names.append("emb" if boundary is None else f"block{i // per_block}")
                 boundary = stream
             stream = stream + attn(layer, h)
-            h = stream + layer.mlp_router.gate * read(blocks, layer.mlp_router, null=True)
+            h = stream + layer.mlp_router.gate * read(blocks, layer.mlp_router, names, null=True)
             stream = stream + mlp(layer, h)
         final = stream
     hidden.append(inner.norm(final))
@@ -211,18 +224,88 @@ def test_delta_mode_block_entries():
     assert not hasattr(model.model, "final_router")
 
 
-def test_only_gated_routers_read_ahead():
-    model = build("delta")
-    layers = model.model.layers
-    with torch.no_grad():  # nonzero gates and queries: a read of zeros would match anything
-        for p in [*layers[0].mlp_router.parameters(), *layers[1].attn_router.parameters()]:
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+@pytest.mark.parametrize("layers, blocks", [(4, 2), (5, 3)])
+def test_state_labels_name_what_each_site_reads(mode, layers, blocks):
+    """Every site reads the first N sources of its mode's one order; the residual state's labels
+    for N name them as the forward written from the definitions does."""
+    model = build(mode, num_hidden_layers=layers, residual_num_blocks=blocks)
+    counts = source_counts(model, ids())  # by the model
+    seen = {}
+    with torch.no_grad():
+        reference_forward(model, ids(), seen)
+    names = {module: name for name, module in model.named_modules()}
+    expected = {names[router]: labels for router, labels in seen.items() if router is not None}
+    null = int(mode == "delta")
+    assert {name: RESIDUAL_STATES[mode].source_labels(n + null) for name, n in counts.items()} == expected
+    with pytest.raises(ValueError, match="no routing sites"):
+        RESIDUAL_STATES["standard"].source_labels(1)
+
+
+def random_routers(config, gated, count):
+    routers = [MHARRouter(config, gated) for _ in range(count)]
+    with torch.no_grad():
+        for p in (p for router in routers for p in router.parameters()):
             p.copy_(torch.randn_like(p))
-    ungated = MHARRouter(model.config, gated=False)
-    blocks = (torch.randn(1, 3, model.config.hidden_size),)
+    return routers
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+def test_each_router_read_equals_the_reference_op(implementation):
+    config = tiny_config(residual_mode="delta", routing_implementation=implementation)
+    heads, eps, width = config.residual_heads, config.rms_norm_eps, config.hidden_size
+    if implementation == "reference":  # route_reference itself: bit for bit
+        check = lambda got, want: torch.equal(got, want)  # noqa: E731
+    else:
+        check = lambda got, want: torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # noqa: E731
+    sources = [torch.randn(2, 5, width) for _ in range(3)]
+    more = [*sources, torch.randn(2, 5, width)]
+    stream = torch.randn(2, 5, width)
+    first, second = random_routers(config, False, 2)
+    gated = random_routers(config, True, 3)
+
+    def reference(router, sources, **gated_args):
+        return route_reference(sources, router.query, router.key_norm_weight, heads, eps, **gated_args)
+
+    def reference_gated(router, sources, residual=None):
+        return reference(router, sources, null_source=router.null_source, gate=router.gate, residual=residual)
+
+    assert check(first.read(sources), reference(first, sources))
+    assert check(gated[0].read(sources), reference_gated(gated[0], sources))
+    assert check(gated[0].read(sources, residual=stream), reference_gated(gated[0], sources, residual=stream))
+    read, prefix = first.read_and_start(sources, begin=second)
+    assert (prefix is None) == (implementation == "reference")  # the fused path begins the next read
+    assert check(read, reference(first, sources))
+    assert check(second.read(more, prefix=prefix), reference(second, more))
+    reads = gated[0].read_group(sources, gated[1:])
+    assert len(reads) == 3
+    assert all(check(got, reference_gated(router, sources)) for got, router in zip(reads, gated, strict=True))
+
+
+def test_router_reads_check_their_sites_and_reach_module_hooks():
+    """Every read goes through `__call__`: forward pre-hooks (the probe's, the benchmarks') see its sources
+    first and the other sites it reads for in its keywords."""
+    config = tiny_config(residual_mode="delta")
+    (gated, gated_ahead), (ungated, ungated_next) = random_routers(config, True, 2), random_routers(config, False, 2)
+    sources = (torch.randn(1, 3, config.hidden_size),) * 2
     with pytest.raises(ValueError, match="gated routers of the same heads"):
-        layers[0].mlp_router(blocks, ahead=(layers[1].attn_router, ungated))
-    reads = layers[0].mlp_router(blocks, ahead=(layers[1].attn_router,))
-    assert len(reads) == 2 and torch.equal(reads[1], layers[1].attn_router(blocks))
+        gated.read_group(sources, [gated_ahead, ungated])
+    with pytest.raises(ValueError, match="ungated routers of the same heads"):
+        gated.read_and_start(sources, begin=ungated)
+    with pytest.raises(ValueError, match="use='ahead'"):
+        gated(sources, use="ahead")
+    calls = []
+    for router in (gated, ungated, ungated_next):
+        router.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append((module, args[0], kwargs.get("begin"), kwargs.get("ahead"))),
+            with_kwargs=True)
+    ungated.read(sources)
+    ungated.read_and_start(sources, begin=ungated_next)
+    reads = gated.read_group(sources, [gated_ahead])
+    assert calls == [(ungated, sources, None, None), (ungated, sources, ungated_next, None),
+                     (gated, sources, None, (gated_ahead,))]
+    assert torch.equal(reads[1], gated_ahead.read(sources))
+    assert torch.equal(ungated(sources), ungated.read(sources))  # calling a router is its plain read
 
 
 def test_delta_gradients():

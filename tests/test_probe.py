@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from mhar_cli import main
 from mhar_hf.probe import (
     RoutingProbe,
+    find_routers,
     head_deviation,
     matched_norm_queries,
     probe_model,
@@ -24,6 +25,7 @@ from mhar_hf.probe import (
 )
 from mhar_hf.routing import routing_keys, routing_weights
 from mhar_hf.tiny import demo_corpus, tiny_config
+from test_modeling import reference_forward
 
 EPS = 1e-6
 
@@ -281,6 +283,19 @@ def test_every_site_sees_the_sources_its_mode_gives_it(mode):
     report = probe_model(randomly_routed(mode), tokens(), seq_len=16)
     assert {s["name"]: len(s["weights"]) for s in report["sites"]} == expected
     assert [s["name"] for s in report["sites"]] == list(expected)  # forward order
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_every_site_names_its_sources_as_the_definition_does(mode):
+    """The labels come from the residual state: each site's equal the sources that the forward
+    written from the definitions (test_modeling.reference_forward) reads there."""
+    model = randomly_routed(mode)
+    seen = {}
+    with torch.no_grad():
+        reference_forward(model, tokens(16).view(1, 16), seen)
+    site = {router: name for name, router in find_routers(model)}
+    report = probe_model(model, tokens(), seq_len=16)
+    assert {s["name"]: s["sources"] for s in report["sites"]} == {site[r]: seen[r] for r in site}
 
 
 def test_a_just_converted_delta_model_routes_uniformly_and_says_so():
