@@ -4,7 +4,7 @@
     python benchmarks/ab_kernels.py --base HEAD~2 --presets 1B --modes full --on-step
 
 Loads `mhar_hf/ops/routing/kernels.py` as it is at --base, and only that file: the launches stay
-this tree's (`fused.py`), so the base's kernels must take the same arguments. Per preset and mode
+this tree's (`launch.py`, `reads.py`, ...), so the base's kernels must take the same arguments. Per preset and mode
 (H = 8) it times every routing kernel's GPU time in one step's reads with the base's kernels and
 with this tree's, and with --on-step also the whole training step with each (`fused+graph`, as
 bench_train.py times it) and the plain model's compiled+graph step for the ratios. A change to the
@@ -25,7 +25,7 @@ import torch
 
 from bench_train import MICRO_BATCH, copy_bandwidth, time_routing
 from mhar_hf import MHARConfig
-from mhar_hf.ops.routing import fused
+from mhar_hf.ops.routing import kernels
 from results_log import append_result, utc_now
 from sweep_launch import model_sites, step_ms
 
@@ -56,12 +56,14 @@ def git_commit_of(revision: str, repo: Path = REPO) -> str:
 @contextlib.contextmanager
 def kernels_of(module):
     """The fused op launches `module`'s kernels inside the block, this tree's again after it."""
-    current = fused.kernels
-    fused.kernels = module
+    current = {name: getattr(kernels, name) for name in kernels.ENTRY_POINTS}
+    for name in current:
+        setattr(kernels, name, getattr(module, name))
     try:
         yield
     finally:
-        fused.kernels = current
+        for name, kernel in current.items():
+            setattr(kernels, name, kernel)
 
 
 def main():
@@ -75,7 +77,7 @@ def main():
         raise SystemExit("ab_kernels.py needs a CUDA GPU")
     began, base = utc_now(), git_commit_of(args.base)
     with tempfile.TemporaryDirectory() as folder:
-        versions = {f"base {args.base}": base_kernels(args.base, Path(folder)), "this tree": fused.kernels}
+        versions = {f"base {args.base}": base_kernels(args.base, Path(folder)), "this tree": kernels}
         bandwidth = copy_bandwidth()
         for preset in args.presets:
             config = MHARConfig.from_preset(preset)

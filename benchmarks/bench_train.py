@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
-from mhar_hf.ops.routing.fused import LAUNCH
+from mhar_hf.ops.routing import launch
 from mhar_hf.routing import Read
 from results_log import append_result, git_commit
 
@@ -382,7 +382,7 @@ def run(args) -> dict:
         kernel["ratio_at_floor"] = ratio_at_floor(kernel, report["training"], baselines[kernel["preset"]])
     report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp,
                                    pipeline_stages=stages[0] if stages else None)
-                        for kind, (rows, per_warp, *stages) in LAUNCH.items()}
+                        for kind, (rows, per_warp, *stages) in launch.current().shapes.items()}
     report["elapsed_s"] = round(time.monotonic() - began)
     return report
 

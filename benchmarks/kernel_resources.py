@@ -5,7 +5,7 @@
     python benchmarks/kernel_resources.py --loops
 
 Builds each kernel variant (the flags a training step launches it with) for Hopper at the launch
-shape `mhar_hf.ops.routing.fused.LAUNCH` gives it for each preset's width (full mode, H heads),
+shape `LaunchConfig().shapes` (mhar_hf.ops.routing.launch) gives it for each preset's width (full mode, H heads),
 and prints what the compiled code uses per thread: registers, and stack bytes, where spilled
 registers go (any stack is a spill: the kernels keep no local arrays). A shape that spills is slow
 in the step even where it times well alone (as two source rows did while the reads timed alone
@@ -31,7 +31,7 @@ import tempfile
 import triton
 
 from mhar_hf import MHARConfig
-from mhar_hf.ops.routing import fused, kernels
+from mhar_hf.ops.routing import kernels, launch, launch_config
 from mhar_hf.ops.routing.ahead import compile_kernel
 from results_log import append_result, utc_now
 from sweep_launch import parse_choice
@@ -118,31 +118,36 @@ def main():
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this builds the kernels for the GPU")
-    fused.LAUNCH.update(dict(args.launch))
     tool = cuobjdump()
     began = utc_now()
     loop_columns = (" loop instructions | loop barriers |", "---|---|") if args.loops else ("", "")
     print("| preset | kernel | launch | rows | warps | stages | registers | stack bytes |" + loop_columns[0])
     print("|---|---|---|---|---|---|---|---|" + loop_columns[1])
-    for preset in args.presets:
-        width = MHARConfig.from_preset(preset).hidden_size
-        for kind, variant, kernel, flags in VARIANTS:
-            launch = fused._kernel_args(kind, width, args.heads)
-            every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
-            every_flag["IN_PLACE"] = fused._stores_in_place(launch, every_flag["HAS_SECOND"])
-            compiled = compile_kernel(kernel, every_flag, width, args.heads, launch["BLOCK_T"], launch["num_warps"],
-                                      launch["STAGES"], launch["SPLIT"])
-            registers, stack = resources(compiled, tool)
-            loop = innermost_loop(compiled, tool) if args.loops else None
-            print(f"| {preset} | {kind} | {variant} | {launch['BLOCK_T']} | {launch['num_warps']} | {launch['STAGES']} "
-                  f"| {registers} | {stack} |" + (" {} | {} |".format(*loop) if loop else ""), flush=True)
-            metrics = dict(registers=registers, stack_bytes=stack)
-            if loop:
-                metrics.update(loop_instructions=loop[0], loop_barriers=loop[1])
-            append_result("kernel_resources", dict(preset=preset, kernel=kind, variant=variant, heads=args.heads,
-                                                   rows=launch["BLOCK_T"], warps=launch["num_warps"],
-                                                   stages=launch["STAGES"], capability=90), metrics,
-                          date=began, gpu="cpu")
+    with launch_config(shapes={**launch.current().shapes, **dict(args.launch)}):
+        for preset in args.presets:
+            report_preset(preset, args.heads, args.loops, tool, began)
+
+
+def report_preset(preset: str, heads: int, loops: bool, tool: str, began: str) -> None:
+    """Each kernel variant's table row, and its results row, at `preset`'s width."""
+    width = MHARConfig.from_preset(preset).hidden_size
+    for kind, variant, kernel, flags in VARIANTS:
+        setup = launch.kernel_args(kind, width, heads)
+        every_flag = {flag: flags.get(flag, False) for flag in FLAGS}
+        every_flag["IN_PLACE"] = launch.stores_in_place(setup, every_flag["HAS_SECOND"])
+        compiled = compile_kernel(kernel, every_flag, width, heads, setup["BLOCK_T"], setup["num_warps"],
+                                  setup["STAGES"], setup["SPLIT"])
+        registers, stack = resources(compiled, tool)
+        loop = innermost_loop(compiled, tool) if loops else None
+        print(f"| {preset} | {kind} | {variant} | {setup['BLOCK_T']} | {setup['num_warps']} | {setup['STAGES']} "
+              f"| {registers} | {stack} |" + (" {} | {} |".format(*loop) if loop else ""), flush=True)
+        metrics = dict(registers=registers, stack_bytes=stack)
+        if loop:
+            metrics.update(loop_instructions=loop[0], loop_barriers=loop[1])
+        append_result("kernel_resources", dict(preset=preset, kernel=kind, variant=variant, heads=heads,
+                                               rows=setup["BLOCK_T"], warps=setup["num_warps"],
+                                               stages=setup["STAGES"], capability=90), metrics,
+                      date=began, gpu="cpu")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,20 @@
     python benchmarks/sweep_launch.py --presets 100M 350M
     python benchmarks/sweep_launch.py --presets 1B --on-step --kinds source --choices 1,1024,3 2,2048,3
     python benchmarks/sweep_launch.py --presets 1B --mode block --kinds site_few
-    python benchmarks/sweep_launch.py --mode delta --constant GROUP_FORWARD_PROGRAMS_PER_SM 8 16 32
-    python benchmarks/sweep_launch.py --presets 100M --mode block --constant COLUMN_BLOCKS "('site', 'site_few', 'total')" "()"
+    python benchmarks/sweep_launch.py --mode delta --field group_forward_programs_per_sm 8 16 32
+    python benchmarks/sweep_launch.py --presets 100M --mode block --field column_block_kinds "('site', 'site_few', 'total')" "()"
 
 For one residual mode (H = 8; full by default) at each preset's micro-batch, every (token rows
 per program, tile elements per warp, pipeline stages) choice of one kernel is timed by that
 kernel's own GPU time in one step's reads (forward + backward), the other kernels at their shape in
-`mhar_hf.ops.routing.fused.LAUNCH`; with --on-step, the whole training step instead
+`LaunchConfig().shapes` (mhar_hf.ops.routing.launch); with --on-step, the whole training step instead
 (`fused+graph`, as bench_train.py times it, with the plain model's compiled+graph step timed in
-the same run for the ratio; slower, and what the defaults in LAUNCH are checked on: a shape that
+the same run for the ratio; slower, and what the default shapes are checked on: a shape that
 speeds a kernel alone can slow the step). Prints each choice's milliseconds as it is measured,
 then per kernel all choices, best first.
-With --constant, a module constant of `fused` (programs per multiprocessor, the partials tile,
-the launches in column blocks) is swept instead, and every routing kernel's time is printed per
-value.
+With --field, another field of `LaunchConfig` (programs per multiprocessor, the partials tile,
+the launches in column blocks, ...) is swept instead, and every routing kernel's time is printed
+per value.
 Every measurement is also appended to `results/launch_sweep.jsonl` as it is made (`results_log.py`).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import itertools
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from bench_train import (MICRO_BATCH, build, compile_regions, copy_bandwidth, record_routing_sites, release,
                          time_routing, time_training)
 from mhar_hf import MHARConfig, MHARForCausalLM
-from mhar_hf.ops.routing import fused
+from mhar_hf.ops.routing import LaunchConfig, launch, launch_config
 from results_log import append_result, utc_now
 
 CHOICES = {  # (token rows per program, padded elements per warp, pipeline stages)
@@ -77,43 +78,36 @@ def step_ms(preset: str, mode: str = "full") -> float:
     return ms
 
 
-def constant_error(name: str, *values: str) -> str | None:
-    """What is wrong with a --constant sweep (a sentence), or None."""
-    if not (name.isupper() and hasattr(fused, name)):
-        known = sorted(n for n in vars(fused) if n.isupper() and not n.startswith("_"))
-        return f"--constant: {name!r} is not a constant of mhar_hf.ops.routing.fused (one of {known})"
+def field_error(name: str, *values: str) -> str | None:
+    """What is wrong with a --field sweep (a sentence), or None."""
+    known = [field.name for field in dataclasses.fields(LaunchConfig)]
+    if name not in known:
+        return f"--field: {name!r} is not a field of LaunchConfig (one of {known})"
     if not values:
-        return f"--constant {name}: give the values to sweep after the name"
+        return f"--field {name}: give the values to sweep after the name"
     for value in values:
         try:
             ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            return f"--constant {name}: {value!r} is not a Python literal (quote tuples and dicts for the shell)"
+            return f"--field {name}: {value!r} is not a Python literal (quote tuples and dicts for the shell)"
     return None
 
 
-def sweep_constant(presets, mode: str, name: str, *values: str, bandwidth: float, date: str | None = None) -> None:
-    """Every routing kernel's time in one step's reads with fused.`name` set to each value in turn
-    (Python literals); the default comes back afterwards, also on an error. The cached launch
-    arguments are cleared with each value: some constants (COLUMN_BLOCKS) shape them."""
-    default = getattr(fused, name)
-    try:
-        for preset in presets:
-            config = MHARConfig.from_preset(preset)
-            batch, seq = MICRO_BATCH[preset]
-            sites = model_sites(preset, mode)
-            for value in values:
-                setattr(fused, name, ast.literal_eval(value))
-                fused._kernel_args.cache_clear()
+def sweep_field(presets, mode: str, name: str, *values: str, bandwidth: float, date: str | None = None) -> None:
+    """Every routing kernel's time in one step's reads with LaunchConfig's `name` set to each
+    value in turn (Python literals), through `launch_config`, which restores the default."""
+    for preset in presets:
+        config = MHARConfig.from_preset(preset)
+        batch, seq = MICRO_BATCH[preset]
+        sites = model_sites(preset, mode)
+        for value in values:
+            with launch_config(**{name: ast.literal_eval(value)}):
                 figures = time_routing(sites, mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
-                print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
-                append_result("launch_sweep", dict(sweep="constant", preset=preset, mode=mode, heads=8, constant=name,
-                                                   value=value),
-                              dict(kernels_ms=figures["fwd_bwd_kernels_ms"], fwd_bwd_ms=figures.get("fwd_bwd_ms")),
-                              date=date)
-    finally:
-        setattr(fused, name, default)
-        fused._kernel_args.cache_clear()
+            print(f"{preset} {name}={value}: {figures['fwd_bwd_kernels_ms']}", flush=True)
+            append_result("launch_sweep", dict(sweep="field", preset=preset, mode=mode, heads=8, field=name,
+                                               value=value),
+                          dict(kernels_ms=figures["fwd_bwd_kernels_ms"], fwd_bwd_ms=figures.get("fwd_bwd_ms")),
+                          date=date)
 
 
 def parse_choice(text: str) -> tuple[int, int, int]:
@@ -133,17 +127,16 @@ def main():
                         help="try only these shapes (for every kind swept)")
     parser.add_argument("--on-step", action="store_true",
                         help="time the whole training step per choice, and the plain model's step in the same run")
-    parser.add_argument("--constant", nargs="+", metavar="NAME VALUE",
-                        help="sweep this constant of mhar_hf.ops.routing.fused over these values (Python literals)")
+    parser.add_argument("--field", nargs="+", metavar="NAME VALUE",
+                        help="sweep this field of LaunchConfig over these values (Python literals)")
     args = parser.parse_args()
-    if args.constant and (error := constant_error(*args.constant)):
+    if args.field and (error := field_error(*args.field)):
         parser.error(error)
     began = utc_now()
     bandwidth = copy_bandwidth()
-    if args.constant:
-        sweep_constant(args.presets, args.mode, *args.constant, bandwidth=bandwidth, date=began)
+    if args.field:
+        sweep_field(args.presets, args.mode, *args.field, bandwidth=bandwidth, date=began)
         return
-    defaults = dict(fused.LAUNCH)
     for preset in args.presets:
         config = MHARConfig.from_preset(preset)
         batch, seq = MICRO_BATCH[preset]
@@ -154,21 +147,19 @@ def main():
         for kind in args.kinds:
             timings = []
             for choice in args.choices or CHOICES[kind]:
-                fused.LAUNCH[kind] = choice
-                fused._kernel_args.cache_clear()
-                if args.on_step:
-                    ms = step_ms(preset, args.mode)
-                else:
-                    figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8, bandwidth)
-                    ms = figures["fwd_bwd_kernels_ms"][KERNEL[kind]]
+                with launch_config(shapes={**launch.current().shapes, kind: choice}):
+                    if args.on_step:
+                        ms = step_ms(preset, args.mode)
+                    else:
+                        figures = time_routing(sites, args.mode == "delta", batch * seq, config.hidden_size, 8,
+                                               bandwidth)
+                        ms = figures["fwd_bwd_kernels_ms"][KERNEL[kind]]
                 print(f"{preset} {kind} {choice}: {ms:.3f} ms", flush=True)  # kept if a time limit cuts the sweep
                 measure = "step_ms" if args.on_step else "kernel_ms"
                 append_result("launch_sweep", dict(sweep="shape", preset=preset, mode=args.mode, heads=8, kind=kind,
                                                    choice=list(choice), measure=measure),
                               dict(ms=ms, plain_step_ms=plain), date=began)
                 timings.append((ms, choice))
-            fused.LAUNCH[kind] = defaults[kind]
-            fused._kernel_args.cache_clear()
             timings.sort()
             ratio = (lambda ms: f" ({plain / ms:.3f}x plain)") if plain is not None else (lambda ms: "")
             print(f"{preset} {kind}: " + ", ".join(f"{c} {ms:.3f} ms{ratio(ms)}" for ms, c in timings), flush=True)

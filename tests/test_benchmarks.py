@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mhar_hf import MHARForCausalLM
-from mhar_hf.ops.routing import fused, fused_route, kernels
+from mhar_hf.ops.routing import depth_sources, fused_route, kernels, launch
 from mhar_hf.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -22,13 +22,13 @@ from bench_train import record_routing_sites, step_reads  # noqa: E402
 def source_launches(monkeypatch):
     """Per source-kernel launch: (reads summed, starts from a partial, sums a partner's terms)."""
     launches = []
-    launch = fused._source_grad
+    source_grad = depth_sources.source_grad
 
     def spy(source, records, grad_in, partial, partner):
         launches.append((len(records), partial is not None, partner is not None))
-        return launch(source, records, grad_in, partial, partner)
+        return source_grad(source, records, grad_in, partial, partner)
 
-    monkeypatch.setattr(fused, "_source_grad", spy)
+    monkeypatch.setattr(depth_sources, "source_grad", spy)
     return launches
 
 
@@ -73,41 +73,41 @@ def test_step_reads_group_reads_as_the_model_does(source_launches):
     assert len(outs) == len(sites) and source_launches == by_model
 
 
-def test_sweep_constant_times_each_value_and_restores_the_default(monkeypatch, capsys):
+def test_sweep_field_times_each_value_and_restores_the_default(monkeypatch, capsys):
     import sweep_launch
 
     seen = []
     monkeypatch.setattr(sweep_launch, "model_sites", lambda preset, mode: [(3, "group"), (3, "ahead")])
-    monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: seen.append(fused.PARTIALS_TILE) or
+    monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: seen.append(launch.current().partials_tile) or
                         {"fwd_bwd_kernels_ms": {"route_partials_kernel": float(len(seen))}})
-    default = fused.PARTIALS_TILE
-    sweep_launch.sweep_constant(["100M"], "delta", "PARTIALS_TILE", "{'read': (8, 8), 'group': (4, 4)}",
-                                "{'read': (2, 2), 'group': (1, 1)}", bandwidth=1.0)
+    default = launch.current()
+    sweep_launch.sweep_field(["100M"], "delta", "partials_tile", "{'read': (8, 8), 'group': (4, 4)}",
+                             "{'read': (2, 2), 'group': (1, 1)}", bandwidth=1.0)
     assert seen == [{"read": (8, 8), "group": (4, 4)}, {"read": (2, 2), "group": (1, 1)}]
-    assert fused.PARTIALS_TILE is default
-    assert capsys.readouterr().out.count("100M PARTIALS_TILE=") == 2
+    assert launch.current() is default
+    assert capsys.readouterr().out.count("100M partials_tile=") == 2
 
 
-def test_sweep_constant_relaunches_with_each_value_of_a_constant_that_shapes_launches(monkeypatch):
-    """COLUMN_BLOCKS decides the launch arguments, which are cached: each swept value must reach
-    them (the cache cleared), and the default again afterwards."""
+def test_sweep_field_relaunches_with_each_value_of_a_field_that_shapes_launches(monkeypatch):
+    """column_block_kinds decides the launch arguments, which are cached: each swept value must
+    reach them (the cache cleared), and the default again afterwards."""
     import sweep_launch
 
     seen = []
     monkeypatch.setattr(sweep_launch, "model_sites", lambda preset, mode: [(3, "group"), (3, "ahead")])
     monkeypatch.setattr(sweep_launch, "time_routing", lambda *args: seen.append(
-        fused._kernel_args("site", 512, 8)["SPLIT"]) or {"fwd_bwd_kernels_ms": {}})
-    split = fused._kernel_args("site", 512, 8)["SPLIT"]
+        launch.kernel_args("site", 512, 8)["SPLIT"]) or {"fwd_bwd_kernels_ms": {}})
+    split = launch.kernel_args("site", 512, 8)["SPLIT"]
     assert split == 2  # one warp of d = 512 (GPU) or the interpreter's launch: two column blocks
-    sweep_launch.sweep_constant(["100M"], "block", "COLUMN_BLOCKS", "('site', 'site_few', 'total')", "()",
-                                bandwidth=1.0)
+    sweep_launch.sweep_field(["100M"], "block", "column_block_kinds", "('site', 'site_few', 'total')", "()",
+                             bandwidth=1.0)
     assert seen == [2, 1]
-    assert fused._kernel_args("site", 512, 8)["SPLIT"] == 2
+    assert launch.kernel_args("site", 512, 8)["SPLIT"] == 2
 
 
 def test_launch_sweep_prints_each_choice_as_it_is_measured(monkeypatch, capsys):
     """sweep_launch.main: a line per choice as soon as it is timed (a time limit that cuts the
-    sweep keeps what was measured), then the kind's choices best first; LAUNCH restored."""
+    sweep keeps what was measured), then the kind's choices best first; the launch config restored."""
     import sweep_launch
 
     times = iter([3.0, 1.0])
@@ -117,22 +117,22 @@ def test_launch_sweep_prints_each_choice_as_it_is_measured(monkeypatch, capsys):
         "fwd_bwd_kernels_ms": {"route_source_bwd_kernel": next(times)}})
     monkeypatch.setattr(sys, "argv", ["sweep_launch.py", "--presets", "100M", "--mode", "delta", "--kinds", "source",
                                       "--choices", "4,2048,3", "2,1024,3"])
-    default = fused.LAUNCH["source"]
+    default = launch.current()
     sweep_launch.main()
     assert capsys.readouterr().out.splitlines() == [
         "100M source (4, 2048, 3): 3.000 ms", "100M source (2, 1024, 3): 1.000 ms",
         "100M source: (2, 1024, 3) 1.000 ms, (4, 2048, 3) 3.000 ms"]
-    assert fused.LAUNCH["source"] == default
+    assert launch.current() is default
 
 
-def test_sweep_constant_rejects_bad_input_before_any_gpu_work():
-    from sweep_launch import constant_error
+def test_sweep_field_rejects_bad_input_before_any_gpu_work():
+    from sweep_launch import field_error
 
-    assert "not a constant" in constant_error("NOPE", "1")
-    assert "not a constant" in constant_error("_tile", "1")  # functions and private names are not constants
-    assert "give the values" in constant_error("PARTIALS_TILE")
-    assert "not a Python literal" in constant_error("PARTIALS_TILE", "{'read': (8, 8)}", "{bad")
-    assert constant_error("GROUP_FORWARD_PROGRAMS_PER_SM", "8", "32") is None
+    assert "not a field of LaunchConfig" in field_error("NOPE", "1")
+    assert "not a field of LaunchConfig" in field_error("tile", "1")  # launch's functions are not fields
+    assert "give the values" in field_error("partials_tile")
+    assert "not a Python literal" in field_error("partials_tile", "{'read': (8, 8)}", "{bad")
+    assert field_error("group_forward_programs_per_sm", "8", "32") is None
 
 
 def test_routing_launches_split_a_kernels_variants_by_registers(tmp_path):
@@ -226,13 +226,14 @@ def test_ab_kernels_launches_a_revisions_kernels_then_this_trees(tmp_path, monke
     sources = [torch.randn(1, 5, 64, generator=generator) for _ in range(3)]
     query, norm_weight = torch.randn(64, generator=generator), 1 + torch.rand(64, generator=generator)
     expected = fused_route(sources, query, norm_weight, 4, 1e-6)
+    own = kernels.route_fwd_kernel
     with ab_kernels.kernels_of(base):
         out = fused_route(sources, query, norm_weight, 4, 1e-6)
     assert launches and torch.equal(out, expected)
-    assert fused.kernels is kernels
+    assert kernels.route_fwd_kernel is own
     with pytest.raises(RuntimeError, match="inside"), ab_kernels.kernels_of(base):
         raise RuntimeError("inside")
-    assert fused.kernels is kernels
+    assert kernels.route_fwd_kernel is own
     with pytest.raises(SystemExit, match="--base no-such-revision: git cannot show"):
         ab_kernels.base_kernels("no-such-revision", tmp_path, repo)
 

@@ -115,7 +115,7 @@ def test_forward_and_every_gradient_match_fp64_reference(total_from_out, n, widt
 def test_low_tile_in_one_or_four_blocks_matches_fp64_reference(monkeypatch, split, heads_axis, width=320, heads=2,
                                                                 tokens=9):
     """The interpreter holds the low tile as a GPU launch does, in two column blocks in the
-    launches that take them (launch.COLUMN_BLOCKS) and in one elsewhere; a GPU launch may take
+    launches that take them (LaunchConfig.column_block_kinds) and in one elsewhere; a GPU launch may take
     four (launch.column_blocks): one and four blocks in every kernel here, on a read (head width 160:
     128 + 32) and on a group of gated reads, every gradient against fp64; in both axis orders
     (kernels.HEADS_AXIS, by Triton version; a compiled kernel's globals must not change, so a GPU
@@ -876,9 +876,9 @@ def test_every_launch_takes_a_power_of_two_of_rows(monkeypatch, width, heads):
 def test_site_programs_fill_each_multiprocessor_within_their_bounds(monkeypatch, configured, sms=132, resident=6):
     """A read's site launch on a GPU of `sms` multiprocessors, each holding `resident` of its
     programs at once: one token block per program up to that many per multiprocessor, past which
-    programs loop over blocks; a group of reads shares the SITE_PROGRAMS_PER_SM floor among its
+    programs loop over blocks; a group of reads shares the site_programs_per_sm floor among its
     reads, but each read keeps the programs whose partials stay under 1 / SITE_PARTIALS_SHARE of
-    its sources' bytes. SITE_PROGRAMS_MAX_PER_SM, where set, stands in for `resident`."""
+    its sources' bytes. site_programs_max_per_sm, where set, stands in for `resident`."""
     monkeypatch.setattr(launch, "multiprocessors", lambda device: sms)
     low, high = launch.current().site_programs_per_sm * sms, resident * sms
     row = 4 * 1024 * 4  # four fp32 partial rows of d = 1024 per program

@@ -6,10 +6,10 @@ SPLIT, DH_LO / SPLIT]`; the heads and blocks swap axes from Triton 3.7, HEADS_AX
 other d/H - DH_LO (`[BLOCK_T, H_PAD, 1, DH_HI]`, masked past them). Tile sizes must be powers
 of two; one tile padded to the next would leave d/H = 160 (the 1B preset) 37 % padding, the two
 hold it exactly (128 + 32). Heads are padded to a power of two and masked, so any H dividing d
-works. The blocks put each head on fewer lanes (fused._split): the compiler gives the lanes to
+works. The blocks put each head on fewer lanes (launch.column_blocks): the compiler gives the lanes to
 the last dimension first, 8 bf16 each, so 128 columns in one block spanned 16 lanes, and every
 per-head sum crossed them all, a shuffle and an add per halving; in blocks a sum crosses fewer
-lanes. The site and total kernels take blocks; the others run faster in one (fused._split;
+lanes. The site and total kernels take blocks; the others run faster in one (launch.column_blocks;
 figures in docs/decisions.md).
 Tensors that vary per source or per reader are reached through int64 tables of their
 addresses, so the caller never stacks them. A read's source table holds two per source: its rows
@@ -254,7 +254,7 @@ READ_FIELDS = tl.constexpr(5)  # a group's read table: query, key-norm weight, n
 @triton.jit
 def _read_stride(numel):
     """Elements between two reads' blocks of a per-read tensor of a group: `numel` rounded up to
-    a multiple of 4, so each block is 16-byte aligned (fused._per_read)."""
+    a multiple of 4, so each block is 16-byte aligned (outputs.per_read)."""
     return (numel + 3) // 4 * 4
 
 
@@ -799,3 +799,8 @@ def route_source_bwd_kernel(
     if HAS_PARTNER:
         _store_rows(partner_acc_ptr, row_offs, in_range, y_acc_lo, y_acc_hi, *cols)
         tl.store(partner_norm_ptr + tok, tl.sum(y_norm_sum, 1), mask=tok < T)
+
+
+# the kernels the fused path launches (ab_kernels.py and host_overhead.py swap them by name)
+ENTRY_POINTS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel",
+                "route_partials_kernel")

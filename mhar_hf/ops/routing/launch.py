@@ -16,9 +16,6 @@ from types import MappingProxyType
 import torch
 import triton
 
-COLUMN_BLOCKS = ("site", "site_few", "total")  # the launches whose low tile is in column blocks (column_blocks)
-
-
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """The fused path's tuning knobs. The defaults are what the kernels run with."""
@@ -36,6 +33,8 @@ class LaunchConfig:
         "total": (1, 512), "site_few": (2, 1280, 3), "group_forward": (0, 2048, 3)}))
     # at most this many sources take the `site_few` shape
     few_sources: int = 16
+    # the launches whose low tile is in column blocks (column_blocks)
+    column_block_kinds: tuple[str, ...] = ("site", "site_few", "total")
     # An ungated read of at least this many sources takes S from its output in the site kernel:
     # fewer instructions per source, for one more row loaded per token block.
     total_from_out_min_sources: int = 8
@@ -123,7 +122,7 @@ def kernel_args(kind: str, width: int, num_heads: int) -> dict:
     if stages:
         tiled = dict(tiled, STAGES=stages[0])
     if interpreted():  # two column blocks where a GPU launch takes them, so the tests run the split tile
-        split = min(2, tiled["DH_LO"]) if kind in COLUMN_BLOCKS else 1
+        split = min(2, tiled["DH_LO"]) if kind in _current.column_block_kinds else 1
         return dict(tiled, BLOCK_T=_current.interpreter_rows, num_warps=4, SPLIT=split)
     warps = min(max(triton.next_power_of_2(triton.cdiv(rows * padded_width(tiled), per_warp)), 1), 8)
     return dict(tiled, BLOCK_T=rows, num_warps=warps, SPLIT=column_blocks(kind, tiled, warps))
@@ -139,7 +138,7 @@ def column_blocks(kind: str, tiled: dict, warps: int) -> int:
     heads and each lane holds its head's blocks: as many blocks as leave the warps on heads (a
     head split across warps sums through shared memory). Only the site and total kernels take
     them: they run faster in blocks, the forwards slower, and the source kernels gain nothing."""
-    if kind not in COLUMN_BLOCKS:
+    if kind not in _current.column_block_kinds:
         return 1
     return max(1, min(tiled["DH_LO"] * tiled["H_PAD"] // (8 * 32 * warps), tiled["DH_LO"] // 8))
 
