@@ -377,10 +377,12 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         out = out if residual is None else residual + out
         return out if boundary is None else (out, out - boundary)
 
-    def depth_source(self, tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+    def depth_source(self, tensor: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """A tensor routing sites will read, marked where it is made, after the depth source made
-        before it (see `routing.track`)."""
-        return track(tensor, self.routing_implementation, after)
+        before it (see `routing.track`), in that source's dtype: under autocast a sublayer's output
+        comes in the autocast dtype while the embedding keeps the weights' (fp32 history, as
+        Llama's residual stream is fp32 there), and a read's sources share one dtype."""
+        return track(tensor.to(after.dtype), self.routing_implementation, after)
 
     # Each mode's step takes the layer's residual state and returns (its hidden state, the next state).
     def _forward_standard(self, state: StandardState, attend):

@@ -5,6 +5,7 @@ fused gradients exact. On CPU the kernels run under the Triton interpreter."""
 import copy
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,31 @@ def test_reentrant_checkpointing_keeps_every_fused_gradient(mode):
     assert plain.keys() == checkpointed.keys() == {n for n, _ in model.named_parameters()}
     for name, grad in plain.items():
         assert rel_rms(checkpointed[name], grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_reads_under_autocast_over_fp32_weights_run_fused(mode):
+    """Mixed-precision training as `mhar train`, accelerate and Trainer run it: fp32 weights, bf16
+    autocast. The embedding stays fp32 while the sublayers' outputs come in bf16; the depth
+    history takes the embedding's dtype, so every read runs on the kernels (a mix of dtypes sent
+    full mode to the reference op, with a warning) and the loss and every gradient match the
+    reference op's under the same autocast."""
+    tokens = next(batches(1))
+
+    def step(implementation):
+        model = randomised(tiny_model(mode, implementation))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reference fallback warns
+        loss, grads = step("fused")
+    reference_loss, reference_grads = step("reference")
+    assert rel_rms(loss, reference_loss) < 1e-3
+    for name, grad in reference_grads.items():
+        assert rel_rms(grads[name], grad) < 2e-2, name
 
 
 def spy_groups(monkeypatch, record) -> None:
