@@ -238,14 +238,28 @@ def rerun_estimate(budget: dict, tokens: int) -> str:
             f"{budget['device']} for the {len(names)} from-scratch arms, plus start-up and the mid-training runs.")
 
 
+def reference_op_note(arms: dict) -> list[str]:
+    """Arms whose reads ran on the reference op (info.json `reads_on_reference_op`): under bf16 autocast
+    over fp32 weights, the package before 8964f81 gave the fused path sources of two dtypes."""
+    names = [n for n, a in arms.items() if a["info"].get("reads_on_reference_op")]
+    if not names:
+        return []
+    return [", ".join(f"`{n}`" for n in names) + ": the reads ran on the reference op (under bf16 autocast the fused "
+            "kernels received sources of two dtypes and the package fell back; fixed in 8964f81). The losses are the "
+            "op's specification either way; these arms' tokens/s and peak memory are the reference op's, not the "
+            "kernels'.", ""]
+
+
 def plan_section() -> list[str]:
     return [
         "## Plan",
         "",
-        "Each GPU session (at most 10 minutes a command on a fresh machine) runs `experiments/run_on_gpu.sh`: it "
-        "rebuilds the corpus (deterministic), trains the arms it is given with `experiments/train_arms.py` through "
-        "`mhar train` in pieces of at most 8 minutes that continue with `--resume`, and brings back the metrics, "
-        "which are committed under `experiments/results/`.",
+        "Each GPU command (at most 10 minutes, on a machine that is given back 30 seconds after the command ends, "
+        "so an arm must finish in the command that starts it) runs `experiments/run_on_gpu.sh`: it rebuilds the "
+        "corpus (deterministic), trains the arms it is given with `experiments/train_arms.py` through `mhar train` "
+        "(pieces that continue with `--resume` where one machine runs several), and brings back the metrics, which "
+        "are committed under `experiments/results/`. The mid-training chain (source, conversion, both continuations) "
+        "runs in one command.",
         "",
         f"1. From scratch: {', '.join(f'`{n}`' for n in FROM_SCRATCH)}, and the second seed "
         f"{', '.join(f'`{b}`' for _, b in SEED_PAIRS)}; the first session measures plain and full H = 8 alone "
@@ -339,6 +353,7 @@ def write_page(results: Path, out: Path) -> str:
         *results_table(arms, FROM_SCRATCH + [b for _, b in SEED_PAIRS], "plain", noise, params),
         "",
         *[f"`{n}`: {a['info']['note']}.\n" for n, a in arms.items() if a["info"].get("note")],
+        *reference_op_note(arms),
         ("Seed noise (largest final-loss gap between the two seeds of plain and of full H = 8): "
          f"{noise:.4f}. A gap no larger than that is marked within seed noise." if noise is not None
          else "Seed noise: the second-seed arms have not run yet, so no gap can be called significant."),
