@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from .folder import EvalRecord
+
 
 @dataclass(frozen=True)
 class PairedResult:
@@ -45,14 +47,9 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
 def load_run(path: str | os.PathLike) -> dict:
     """A run folder's results.json, with its per-item outcomes: {task: {doc_id: (doc_hash, correct)}}."""
     folder = Path(path)
-    results_file = folder / "results.json"
-    if not results_file.is_file():
-        raise FileNotFoundError(f"{results_file} not found: pass a run folder written by `mhar eval`")
-    results = json.loads(results_file.read_text())
-    if "mhar" not in results:
-        raise ValueError(f"{results_file} was not written by `mhar eval` (no per-item outcomes recorded)")
+    record, _ = EvalRecord.read_run(folder)
     items = {}
-    for task, primary in results["mhar"]["primary"].items():
+    for task, primary in record.primary.items():
         samples_file = folder / f"samples_{task}.jsonl"
         if not samples_file.is_file():
             raise FileNotFoundError(f"{samples_file} not found: the run folder is incomplete")
@@ -67,7 +64,7 @@ def load_run(path: str | os.PathLike) -> dict:
                                      f"({primary['metric']} is not a 0/1 metric)")
                 outcomes[sample["doc_id"]] = (sample["doc_hash"], bool(sample["correct"]))
         items[task] = outcomes
-    return {"path": folder, "results": results, "items": items}
+    return {"path": folder, "record": record, "items": items}
 
 
 def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike) -> list[PairedResult]:
@@ -94,7 +91,7 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike) -> list[Pai
         n = len(items_a)
         paired.append(PairedResult(
             task=task,
-            metric="{metric} ({filter})".format(**a["results"]["mhar"]["primary"][task]),
+            metric="{metric} ({filter})".format(**a["record"].primary[task]),
             items=n,
             accuracy_a=sum(ok for _, ok in items_a.values()) / n,
             accuracy_b=sum(ok for _, ok in items_b.values()) / n,
