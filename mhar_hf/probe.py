@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from .folder import PROBE_FILES, PROBE_FOLDER, read_mhar_config, write_atomically
+from .folder import PROBE_FILES, PROBE_FOLDER, ROUTER_SUFFIX, ProbeRecord, read_mhar_config, write_atomically
 from .modeling_mhar import RESIDUAL_STATES
 from .routing import routing_keys, routing_weights
 
@@ -126,7 +125,7 @@ def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     routers = []
     for name, module in model.named_modules():
         if type(module).__name__ == "MHARRouter":
-            site = re.sub(r"_router$", "", name.removeprefix("model."))
+            site = name.removeprefix("model.").removesuffix(ROUTER_SUFFIX)
             routers.append((site, module))
     return routers
 
@@ -529,9 +528,11 @@ def head_deviation_figure(report: dict):
 
 
 def write_outputs(report: dict, out: str | Path) -> list[Path]:
-    """Write `probe.json`, `routing_heatmap.png` and `head_deviation.png` into `out`. Everything is
-    rendered before anything is written, and each file is replaced atomically."""
-    contents = dict(zip(PROBE_FILES, (json.dumps(report, indent=2) + "\n", routing_heatmap_png(report),
+    """Write `probe.json` (a ProbeRecord, dated), `routing_heatmap.png` and `head_deviation.png`
+    into `out`. Everything is rendered before anything is written, and each file is replaced
+    atomically."""
+    record = ProbeRecord.from_dict(report, "the probe report")
+    contents = dict(zip(PROBE_FILES, (json.dumps(record.to_dict(), indent=2) + "\n", routing_heatmap_png(report),
                                       head_deviation_png(report)), strict=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mhar_cli import main
+from mhar_hf.folder import ProbeRecord
 from mhar_hf.probe import (
     RoutingProbe,
     find_routers,
@@ -336,6 +337,8 @@ def test_mhar_probe_writes_the_json_and_pictures(saved_model, tmp_path, capsys):
     out = saved_model / "probe"
     report = json.loads((out / "probe.json").read_text())
     assert report["data"]["tokens"] == 80 and len(report["sites"]) == 8
+    record = ProbeRecord.read(out)  # the folder contract's reader takes what the probe writes
+    assert record.sites == report["sites"] and record.date == report["date"]
     for picture in ("routing_heatmap.png", "head_deviation.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["head_deviation.png", "probe.json", "routing_heatmap.png"]
