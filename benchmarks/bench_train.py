@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing import launch
+from mhar_hf.train.compile import compile_regions
 from mhar_hf.routing import Read
 from results_log import append_result, git_commit
 
@@ -53,17 +54,6 @@ def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
     with torch.device("cuda"):
         model = MHARForCausalLM(config).to(torch.bfloat16)
     return model.train()
-
-
-def compile_regions(model: MHARForCausalLM, whole_layers: bool) -> None:
-    """Compile each decoder layer (plain model: one graph serves every layer), or only each
-    layer's attention and MLP sublayers, leaving the routing reads to run eagerly between them."""
-    for layer in model.model.layers:
-        if whole_layers:
-            layer.compile()
-        else:
-            layer.attention_sublayer = torch.compile(layer.attention_sublayer)
-            layer.mlp_sublayer = torch.compile(layer.mlp_sublayer)
 
 
 def training_step(model, batch: int, seq: int, capturable: bool = False):

@@ -238,3 +238,28 @@ def test_the_record_names_the_source_by_its_full_path(setup, tmp_path, monkeypat
     shutil.rmtree(converted)
     assert "## Conversion" not in build_card(output / "model", log=notes.append)
     assert len(notes) == 1 and "which is not there" in notes[0]
+
+
+def test_compiled_layers_train_as_the_eager_ones(setup, plain, tmp_path, monkeypatch, capsys):
+    """--compile: an MHAR layer compiles its attention and MLP sublayers, a plain Llama each whole
+    layer (aot_eager here: the same ops, no C compiler), and the losses are the eager run's."""
+    compiled = []
+    real_compile = torch.compile
+
+    def spy(target=None, **kwargs):
+        compiled.append((getattr(target, "__name__", type(target).__name__), kwargs.get("backend")))
+        return real_compile(target, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    losses = [m["loss"] for m in read_metrics(run(setup, "compiled", "--compile", "aot_eager"))]
+    assert losses == pytest.approx([m["loss"] for m in read_metrics(plain)], rel=1e-5)
+    assert sorted(set(compiled)) == [("attention_sublayer", "aot_eager"), ("mlp_sublayer", "aot_eager")]
+    layers = json.loads((setup[1] / "config.json").read_text())["num_hidden_layers"]
+    assert len(compiled) == 2 * layers
+
+    compiled.clear()
+    root, model, data = setup
+    run((root, plain_llama(tmp_path / "plain-llama", model), data), "compiled-llama", "--compile", "aot_eager", steps=3)
+    assert {backend for _, backend in compiled} == {"aot_eager"} and len(compiled) == layers
+    assert "attention_sublayer" not in {name for name, _ in compiled}
+    expect_error(capsys, setup, "bad-backend", "--compile", "no-such-backend", match="not a torch.compile backend")

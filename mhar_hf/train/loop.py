@@ -24,6 +24,7 @@ from .checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
+from .compile import compile_regions
 from .data import build_corpus, check_sources
 from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss
 from .options import check_options
@@ -194,6 +195,8 @@ def _train(args, output: Path, tokenizer, save_dtype: torch.dtype) -> Path:
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = configure_trainable(model, args)
+    if args.compile:
+        compile_regions(model, backend=args.compile)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.routing_lr_multiplier,
                                 tuple(args.adam_betas), args.adam_eps)
     scheduler = build_scheduler(optimizer, args.max_steps, args.warmup_steps, args.schedule,

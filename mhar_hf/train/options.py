@@ -64,6 +64,9 @@ class TrainOptions:
     mixed_precision: str | None = option(None, OPT, "default: what `accelerate launch` / its config says",
                                          choices=("no", "bf16", "fp16"))
     gradient_checkpointing: bool = option(False, OPT, "recompute each decoder layer in backward")
+    compile: str | None = option(None, OPT, "torch.compile each decoder layer with this backend (default inductor): "
+                                 "an MHAR layer's attention and MLP sublayers, any other model's whole layer",
+                                 nargs="?", const="inductor", metavar="BACKEND")
     train_only_routing: bool = option(False, OPT, "freeze the backbone; train routing parameters only")
     lora_rank: int = option(0, OPT, "LoRA on the backbone (routing parameters stay fully trainable)", type=int)
     lora_alpha: float = option(16.0, OPT, "LoRA's alpha", type=float)
