@@ -98,6 +98,33 @@ def test_loss_and_z_loss_against_fp64_references():
     assert z.item() == pytest.approx((lse**2).mean().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype, chunk_tokens", [(torch.float32, 3), (torch.float32, 64), (torch.bfloat16, 5)])
+def test_chunked_loss_and_its_gradient_against_fp64_autograd(dtype, chunk_tokens):
+    """The loss is computed a chunk of positions at a time and its backward writes the logits'
+    gradient itself: chunks that split rows unevenly (3 positions, 5 of a 12-token row) and
+    ones longer than a row give the value and the gradient of plain fp64 autograd through the
+    same formula, for the cross-entropy, the z-loss and a mix of both."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 12, 50, generator=generator)).to(dtype).requires_grad_()
+    ids = torch.randint(0, 50, (2, 12), generator=generator)
+    reference = logits.detach().double().requires_grad_()
+    lse = torch.logsumexp(reference[:, :-1], dim=-1)
+    picked = reference[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    expected = ((lse - picked).mean(), lse.pow(2).mean())
+    ce, z = causal_lm_loss(logits, ids, chunk_tokens=chunk_tokens)
+    assert ce.dtype == z.dtype == torch.float32
+    assert ce.item() == pytest.approx(expected[0].item(), rel=1e-6)
+    assert z.item() == pytest.approx(expected[1].item(), rel=1e-6)
+    for weights in ((1.0, 0.0), (0.0, 1.0), (1.0, 1e-2)):
+        (grad,) = torch.autograd.grad(weights[0] * ce + weights[1] * z, logits, retain_graph=True)
+        (reference_grad,) = torch.autograd.grad(weights[0] * expected[0] + weights[1] * expected[1], reference,
+                                                retain_graph=True)
+        assert grad.dtype == dtype
+        assert torch.equal(grad[:, -1], torch.zeros_like(grad[:, -1]))  # the last position predicts nothing
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(grad.double(), reference_grad, rtol=tolerance, atol=tolerance * reference_grad.abs().max().item())
+
+
 def test_weight_ema_follows_its_recurrence_and_swaps_back():
     model = MHARForCausalLM(tiny_config(residual_mode="delta"))
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters are not averaged

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..folder import is_routing_parameter
@@ -15,14 +14,62 @@ from ..folder import is_routing_parameter
 SCHEDULES = ("cosine", "wsd", "1-sqrt", "constant")
 
 
-def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+LOSS_CHUNK_TOKENS = 2048  # positions whose fp32 logits exist at once (2048 x a 152k vocabulary: 1.2 GB)
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor,
+                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy and the z-loss term mean(logsumexp(logits)^2), both in fp32,
-    averaged over every predicted position (packed rows have no padding)."""
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    cross_entropy = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return cross_entropy, z_loss
+    averaged over every predicted position (packed rows have no padding). Computed `chunk_tokens`
+    positions at a time (`_ChunkedCausalLMLoss`): the logits are never copied to fp32 whole."""
+    return _ChunkedCausalLMLoss.apply(logits, input_ids, chunk_tokens)
+
+
+def _chunks(logits: torch.Tensor, chunk_tokens: int):
+    """(row, start, end) of every chunk of predicted positions (each row's last has no target)."""
+    batch, length = logits.shape[:2]
+    for row in range(batch):
+        for start in range(0, length - 1, chunk_tokens):
+            yield row, start, min(start + chunk_tokens, length - 1)
+
+
+class _ChunkedCausalLMLoss(torch.autograd.Function):
+    """Cross-entropy and z-loss over the logits in their own dtype, upcast one chunk at a time.
+    The backward recomputes each chunk's softmax from its fp32 logits and the saved logsumexp and
+    writes the logits' gradient once, in the logits' dtype: the memory of whole fp32 logits, their
+    log-softmax and their fp32 gradient (three copies of a large vocabulary's logits) is never
+    needed."""
+
+    @staticmethod
+    def forward(ctx, logits, input_ids, chunk_tokens):
+        batch, length, _ = logits.shape
+        lse = torch.empty(batch, length - 1, dtype=torch.float32, device=logits.device)
+        target_logit = torch.empty_like(lse)
+        for row, start, end in _chunks(logits, chunk_tokens):
+            chunk = logits[row, start:end].float()
+            lse[row, start:end] = torch.logsumexp(chunk, dim=-1)
+            target_logit[row, start:end] = chunk.gather(-1, input_ids[row, start + 1:end + 1, None]).squeeze(-1)
+        ctx.save_for_backward(logits, input_ids, lse)
+        ctx.chunk_tokens = chunk_tokens
+        return (lse - target_logit).mean(), lse.pow(2).mean()
+
+    @staticmethod
+    def backward(ctx, grad_cross_entropy, grad_z_loss):
+        logits, input_ids, lse = ctx.saved_tensors
+        count = lse.numel()
+        ce_scale = grad_cross_entropy / count if grad_cross_entropy is not None else 0.0
+        z_scale = 2 * grad_z_loss / count if grad_z_loss is not None else 0.0
+        grad = torch.empty_like(logits)
+        grad[:, -1] = 0  # the last position predicts nothing
+        for row, start, end in _chunks(logits, ctx.chunk_tokens):
+            row_lse = lse[row, start:end, None]
+            probabilities = (logits[row, start:end].float() - row_lse).exp_()
+            # d(lse - x_target) = softmax - one-hot; d(lse^2) = 2 lse softmax
+            chunk = probabilities * (ce_scale + z_scale * row_lse)
+            minus_one = torch.full((end - start, 1), -1.0, device=chunk.device)
+            chunk.scatter_add_(-1, input_ids[row, start + 1:end + 1, None], minus_one * ce_scale)
+            grad[row, start:end] = chunk
+        return grad, None, None
 
 
 def parameter_groups(model: nn.Module, lr: float, weight_decay: float, routing_lr_multiplier: float = 1.0) -> list[dict]:
