@@ -133,6 +133,36 @@ def test_lora_adapter_keeps_the_routers_and_merging_gives_the_same_model(setup):
     assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])  # not a LoRA target
 
 
+@pytest.mark.parametrize("mode", [("--lora-rank", "4"), ("--train-only-routing",)], ids=["lora", "routing"])
+def test_a_frozen_backbone_stays_out_of_checkpoints_and_resume_is_exact(setup, mode):
+    """LoRA and routing-only checkpoints hold what training changes, not an fp32 copy of the frozen
+    backbone (32 GB at 8B); a resume from one logs the uninterrupted run's losses and saves its model."""
+    name = mode[0].strip("-")
+    whole = run(setup, f"frozen-{name}", *mode)
+    saved = weights(whole / "checkpoints" / "step-00000002")
+    if name == "lora-rank":
+        assert saved and all("lora_" in n or "modules_to_save" in n for n in saved), sorted(saved)[:5]
+    else:
+        assert saved and all("_router." in n for n in saved), sorted(saved)[:5]
+    killed = setup[0] / f"frozen-{name}-killed"  # a kill after step 3: checkpoint 2, three logged steps
+    shutil.copytree(whole / "checkpoints" / "step-00000002", killed / "checkpoints" / "step-00000002")
+    (killed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in read_metrics(whole)[:3]))
+    run(setup, None, *mode, "--resume", output=killed)
+    assert [m["loss"] for m in read_metrics(killed)] == [m["loss"] for m in read_metrics(whole)]
+    final = "adapter_model.safetensors" if name == "lora-rank" else "model.safetensors"
+    a, b = load_file(str(killed / "model" / final)), load_file(str(whole / "model" / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resuming_with_other_trainable_parameters_is_refused(setup, capsys):
+    root, model, data = setup
+    output = run(setup, "frozen-mismatch", "--train-only-routing", steps=3)
+    reset_accelerate()
+    args = train_args(model, data, output, "--max-steps", "4", "--lora-rank", "4", "--resume")
+    assert cli(["train", *args]) == 2
+    assert "does not fit the model being trained" in capsys.readouterr().err
+
+
 def expect_error(capsys, setup, name, *extra, match, model=None, data=None):
     root, default_model, default_data = setup
     output = root / name

@@ -5,6 +5,11 @@ scheduler and trainer state, every process's RNG streams), the weight EMA of eac
 `trainer_state.json`. It is written under `.tmp-step-00000042` and renamed only once every
 process has finished writing, so a run killed at any moment leaves either a complete
 checkpoint or a temporary folder that the next run deletes. Only the newest `keep` are kept.
+
+With a frozen backbone (LoRA, `--train-only-routing`) the model file of a checkpoint holds only
+what training changes (`leave_frozen_weights_out`): the frozen weights are the `--model`
+folder's, loaded again by every start, so saving them would only copy that folder in fp32 at
+every checkpoint (32 GB for an 8B model).
 """
 
 from __future__ import annotations
@@ -86,6 +91,48 @@ def save_checkpoint(accelerator, output: Path, state: TrainerState, ema=None, ke
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def leave_frozen_weights_out(accelerator, model) -> bool:
+    """Make this run's checkpoints hold the prepared `model`'s trainable parameters and buffers
+    only, and restore them (checked: every saved name known, every missing one a frozen
+    parameter) on resume. Applies on one device and with DDP, where accelerate saves the model
+    as one state dict; returns whether it applies (a model with a frozen part, not FSDP or
+    DeepSpeed, which save through their own paths)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return False
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if not frozen:
+        return False
+
+    def before_save(models, weights, output_dir):
+        for i, candidate in enumerate(models):
+            if candidate is model:
+                weights[i] = {name: tensor for name, tensor in weights[i].items() if name not in frozen}
+
+    def before_load(models, input_dir):
+        from safetensors.torch import load_file
+
+        for i, candidate in enumerate(models):
+            if candidate is model:
+                break
+        else:
+            return
+        del models[i]  # loaded here, not by accelerate (which wants every weight in the file)
+        file = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
+        if not file.exists():
+            raise ValueError(f"{file} is missing: this checkpoint was not written by this kind of run")
+        missing, unexpected = model.load_state_dict(load_file(str(file)), strict=False)
+        if unexpected or set(missing) - frozen:
+            raise ValueError(f"{file} does not fit the model being trained (unexpected {sorted(unexpected)[:4]}, "
+                             f"missing trainable {sorted(set(missing) - frozen)[:4]}): resume with the options "
+                             "it was saved with (--lora-rank, --lora-targets, --train-only-routing)")
+
+    accelerator.register_save_state_pre_hook(before_save)
+    accelerator.register_load_state_pre_hook(before_load)
+    return True
 
 
 def load_checkpoint(accelerator, path: Path, ema=None) -> None:

@@ -20,6 +20,7 @@ from ..folder import TrainingRecord, built_in_place, is_router_module, is_routin
 from .checkpoint import (
     TrainerState,
     latest_checkpoint,
+    leave_frozen_weights_out,
     load_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
@@ -202,6 +203,7 @@ def _train(args, output: Path, tokenizer, save_dtype: torch.dtype) -> Path:
     scheduler = build_scheduler(optimizer, args.max_steps, args.warmup_steps, args.schedule,
                                 args.min_lr_ratio, args.decay_fraction)
     model, optimizer = accelerator.prepare(model, optimizer)
+    leave_frozen_weights_out(accelerator, model)
     state = TrainerState()
     # Registered rather than prepared: a prepared scheduler steps once per process.
     accelerator.register_for_checkpointing(scheduler, state)
