@@ -98,15 +98,17 @@ def test_loss_and_z_loss_against_fp64_references():
     assert z.item() == pytest.approx((lse**2).mean().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("dtype, chunk_tokens", [(torch.float32, 3), (torch.float32, 64), (torch.bfloat16, 5)])
+@pytest.mark.parametrize("dtype, chunk_tokens", [(torch.float32, 3), (torch.float32, 11), (torch.float32, 25),
+                                                 (torch.float32, 64), (torch.bfloat16, 5)])
 def test_chunked_loss_and_its_gradient_against_fp64_autograd(dtype, chunk_tokens):
     """The loss is computed a chunk of positions at a time and its backward writes the logits'
-    gradient itself: chunks that split rows unevenly (3 positions, 5 of a 12-token row) and
-    ones longer than a row give the value and the gradient of plain fp64 autograd through the
-    same formula, for the cross-entropy, the z-loss and a mix of both."""
+    gradient itself: chunks that split rows unevenly (3 or 5 positions of a 12-token row) and
+    chunks of whole rows give the value and the gradient of plain fp64 autograd through the
+    same formula, for the cross-entropy, the z-loss and a mix of both; rows of 11 predicted
+    positions taken one (11), two (25) or all three (64) at a time."""
     generator = torch.Generator().manual_seed(0)
-    logits = (4 * torch.randn(2, 12, 50, generator=generator)).to(dtype).requires_grad_()
-    ids = torch.randint(0, 50, (2, 12), generator=generator)
+    logits = (4 * torch.randn(3, 12, 50, generator=generator)).to(dtype).requires_grad_()
+    ids = torch.randint(0, 50, (3, 12), generator=generator)
     reference = logits.detach().double().requires_grad_()
     lse = torch.logsumexp(reference[:, :-1], dim=-1)
     picked = reference[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -26,11 +26,19 @@ def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor,
 
 
 def _chunks(logits: torch.Tensor, chunk_tokens: int):
-    """(row, start, end) of every chunk of predicted positions (each row's last has no target)."""
-    batch, length = logits.shape[:2]
-    for row in range(batch):
-        for start in range(0, length - 1, chunk_tokens):
-            yield row, start, min(start + chunk_tokens, length - 1)
+    """Index pairs (rows, positions) of chunks of about `chunk_tokens` predicted positions: whole
+    rows together when rows are short, else pieces of one row (a row's last position has no
+    target)."""
+    batch, predicted = logits.shape[0], logits.shape[1] - 1
+    rows_at_once = max(1, chunk_tokens // max(predicted, 1))
+    for row in range(0, batch, rows_at_once):
+        for start in range(0, predicted, chunk_tokens):
+            yield slice(row, row + rows_at_once), slice(start, min(start + chunk_tokens, predicted))
+
+
+def _targets(input_ids: torch.Tensor, rows: slice, positions: slice) -> torch.Tensor:
+    """The next tokens of a chunk's positions, [rows, positions, 1]."""
+    return input_ids[rows, positions.start + 1:positions.stop + 1, None]
 
 
 class _ChunkedCausalLMLoss(torch.autograd.Function):
@@ -45,10 +53,10 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         batch, length, _ = logits.shape
         lse = torch.empty(batch, length - 1, dtype=torch.float32, device=logits.device)
         target_logit = torch.empty_like(lse)
-        for row, start, end in _chunks(logits, chunk_tokens):
-            chunk = logits[row, start:end].float()
-            lse[row, start:end] = torch.logsumexp(chunk, dim=-1)
-            target_logit[row, start:end] = chunk.gather(-1, input_ids[row, start + 1:end + 1, None]).squeeze(-1)
+        for rows, positions in _chunks(logits, chunk_tokens):
+            chunk = logits[rows, positions].float()
+            lse[rows, positions] = torch.logsumexp(chunk, dim=-1)
+            target_logit[rows, positions] = chunk.gather(-1, _targets(input_ids, rows, positions)).squeeze(-1)
         ctx.save_for_backward(logits, input_ids, lse)
         ctx.chunk_tokens = chunk_tokens
         return (lse - target_logit).mean(), lse.pow(2).mean()
@@ -61,14 +69,14 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         z_scale = 2 * grad_z_loss / count if grad_z_loss is not None else 0.0
         grad = torch.empty_like(logits)
         grad[:, -1] = 0  # the last position predicts nothing
-        for row, start, end in _chunks(logits, ctx.chunk_tokens):
-            row_lse = lse[row, start:end, None]
-            probabilities = (logits[row, start:end].float() - row_lse).exp_()
+        for rows, positions in _chunks(logits, ctx.chunk_tokens):
+            chunk_lse = lse[rows, positions, None]
+            probabilities = (logits[rows, positions].float() - chunk_lse).exp_()
             # d(lse - x_target) = softmax - one-hot; d(lse^2) = 2 lse softmax
-            chunk = probabilities * (ce_scale + z_scale * row_lse)
-            minus_one = torch.full((end - start, 1), -1.0, device=chunk.device)
-            chunk.scatter_add_(-1, input_ids[row, start + 1:end + 1, None], minus_one * ce_scale)
-            grad[row, start:end] = chunk
+            chunk = probabilities * (ce_scale + z_scale * chunk_lse)
+            targets = _targets(input_ids, rows, positions)
+            chunk.scatter_add_(-1, targets, torch.full(targets.shape, -1.0, device=chunk.device) * ce_scale)
+            grad[rows, positions] = chunk
         return grad, None, None
 
 
