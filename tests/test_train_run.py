@@ -154,6 +154,24 @@ def test_a_frozen_backbone_stays_out_of_checkpoints_and_resume_is_exact(setup, m
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_the_model_loads_straight_onto_the_training_device(setup, monkeypatch):
+    """One process holds the whole model: it is loaded onto its device in fp32 there (device_map),
+    never built whole in host memory first (at 8B a 32 GB fp32 copy, then moved)."""
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        calls.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    run(setup, "placed", steps=3)
+    (kwargs,) = calls
+    assert kwargs["dtype"] == torch.float32 and torch.device(kwargs["device_map"]) == torch.device("cpu")
+
+
 def test_resuming_with_other_trainable_parameters_is_refused(setup, capsys):
     root, model, data = setup
     output = run(setup, "frozen-mismatch", "--train-only-routing", steps=3)

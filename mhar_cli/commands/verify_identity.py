@@ -15,12 +15,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), help="dtypes to check")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--attn-implementation", default="eager",
+                        help="token attention of both models: eager, sdpa, flash_attention_2, flex_attention")
 
 
 def run(args) -> int:
     from mhar_hf.verify import verify_identity
 
     report = verify_identity(args.src, args.dst, dtypes=args.dtypes, max_new_tokens=args.max_new_tokens,
-                             device=args.device)
+                             device=args.device, attn_implementation=args.attn_implementation)
     print(report.summary())
     return 0 if report.ok else 1

@@ -190,7 +190,11 @@ def _train(args, output: Path, tokenizer, save_dtype: torch.dtype) -> Path:
             val_specs=args.val_data,
         )
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+    # fp32 master weights, loaded straight onto this process's device where it holds the whole model
+    # (one device, DDP): no host-memory fp32 copy (32 GB at 8B) to build and then move, and the
+    # cast from the stored bf16 runs on the device. FSDP2 shards from the host copy.
+    placement = {} if accelerator.distributed_type == DistributedType.FSDP else {"device_map": accelerator.device}
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **placement)
     accelerator.print(describe(model.config))
     model.config.use_cache = False
     if args.gradient_checkpointing:
