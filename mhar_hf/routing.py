@@ -223,8 +223,15 @@ def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tenso
 
 
 def _kernels_for(implementation: str, tensor: torch.Tensor):
-    """The fused kernels module when `implementation` picks it for `tensor`, else None."""
+    """The fused kernels module when `implementation` picks it for `tensor`, else None.
+
+    `auto` leaves the kernels out while torch.compile traces a read without autograd (compiled
+    decoding, e.g. `generate` with a static cache): the kernels run outside compiled graphs, so
+    each read would break the graph (and the step's CUDA graph) in two; the reference op is traced
+    into the graph instead and fused there. `fused` keeps the kernels, with those breaks."""
     choice = resolve_implementation(implementation)
+    if choice == "auto" and torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return None
     if choice == "fused" or (choice == "auto" and tensor.is_cuda):
         return _fused_kernels(required=choice == "fused")
     return None
