@@ -1,26 +1,48 @@
 """Training throughput of MHAR against the plain Transformer, and the routing kernels against
-their byte floor, on one CUDA GPU (issue 3).
+their byte floor, on one CUDA GPU (issues 3 and 42).
 
-    python benchmarks/bench_train.py                       # everything, ~8 min on an H200
-    python benchmarks/bench_train.py --presets 100M --paths fused
+    python benchmarks/bench_train.py --protocol realistic                              # ~8 min, H100
+    python benchmarks/bench_train.py --protocol realistic --realistic-paths compiled-whole
+    python benchmarks/bench_train.py --protocol graph                                  # ~8 min, H200
+    python benchmarks/bench_train.py --list                  # the realistic configurations, no GPU
 
-Both sides share this harness: the same preset shapes (docs/method.md), bf16 weights,
-fused AdamW, SDPA attention and the same regional torch.compile (each decoder layer for the
-plain model; each layer's attention and MLP sublayers around the routing op for MHAR, whose
-layers take a different number of sources each). The baseline is the plain Transformer's
-fastest configuration. The kernel table also gives what each variant's step would reach with its
-routing kernels at their floor (`ratio_at_floor`). Appends a row per training configuration to
-`results/train_throughput.jsonl` and one per variant's kernels to `results/routing_kernels.jsonl`
-(`results_log.py`), and prints both tables.
+Two protocols, each comparing MHAR with the plain model side by side in one run; `both` (the
+default) runs the realistic one, then the graph one: longer than one 10-minute command.
+
+`realistic` (issue 42): a step as users train. fp32 master weights under bf16 autocast (what
+accelerate's mixed precision runs for `mhar train`, FSDP2, transformers' `Trainer` and TRL), fused
+AdamW, gradient clipping, `mhar train`'s chunked fp32 loss (`--loss transformers`: `labels=`, as
+Trainer and TRL), no CUDA graph, 16k tokens a micro-batch (`REALISTIC_BATCH`) at every preset and
+on an 8B-shape slice (Llama-3.1-8B's published config with 8 of its 32 layers, in delta mode as
+`mhar convert` writes it, with non-reentrant activation checkpointing). The plain model is
+transformers' own class of the same network (Qwen3 for the Qwen3-style presets, Llama for the
+slice), with MHAR's `standard` mode beside it as a check. Both sides are compiled as
+`mhar train --compile` compiles them (`compile_regions`: each plain layer whole, each MHAR layer's
+sublayers around its routing reads), and also run eager (a plain loop); `--realistic-paths
+compiled-whole` adds `torch.compile(model)` (`Trainer(torch_compile=True)`), minutes a model.
+torch.compile keeps its default limits. A routing read that falls back to the reference op is an
+error: the row is flagged and the run exits non-zero.
+
+`graph` (issue 3): the same preset shapes at micro-batches of 2-16k tokens (`MICRO_BATCH`), bf16
+weights, fused AdamW, SDPA attention and the same regional torch.compile, with and without the
+whole step captured in one CUDA graph, and the reference op. The baseline is the plain
+Transformer's fastest configuration. The kernel table also gives what each variant's step would
+reach with its routing kernels at their floor (`ratio_at_floor`).
+
+Appends a row per training configuration to `results/train_throughput.jsonl` (realistic rows have
+`config.protocol == "realistic"`) and one per variant's kernels to `results/routing_kernels.jsonl`
+(`results_log.py`), and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import itertools
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,12 +50,17 @@ import transformers
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
+from mhar_hf import routing
+from mhar_hf.convert import mhar_config_for
 from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing import launch
 from mhar_hf.train.compile import compile_regions
+from mhar_hf.train.optim import causal_lm_loss
 from mhar_hf.routing import Read
-from results_log import append_result, git_commit
+from results_log import REPO, append_result, git_commit
 
 MICRO_BATCH = {"100M": (8, 2048), "350M": (4, 1024), "1B": (2, 1024)}
 VARIANTS = [  # (label, residual mode, heads)
@@ -44,6 +71,29 @@ VARIANTS = [  # (label, residual mode, heads)
 ]
 PATHS = ("fused", "fused+graph", "reference", "reference+compile")
 BASELINE_PATHS = ("eager", "compiled", "compiled+graph")
+
+# The realistic protocol (issue 42). 16k tokens a micro-batch everywhere, as users train.
+SLICE = "8B-slice"
+SLICE_SOURCE = REPO / "tests" / "fixtures" / "real_configs" / "Llama-3.1-8B.json"
+SLICE_LAYERS = 8
+# `mhar convert`'s default number of blocks. On 8 layers a block is one layer: a read takes as many blocks on
+# average (4.5) as in the 32-layer model, grouped two reads a pass instead of eight (the slice errs slow)
+SLICE_BLOCKS = 8
+REALISTIC_BATCH = {"100M": (8, 2048), "350M": (8, 2048), "1B": (4, 4096), SLICE: (4, 4096)}
+REALISTIC_VARIANTS = ("full H=8", "block", "delta")  # the slice runs delta only: what a converted 8B model is
+REALISTIC_PATHS = ("compiled", "eager", "compiled-whole")
+REALISTIC_DEFAULT_PATHS = ("compiled", "eager")  # compiled-whole compiles each model whole, minutes each: asked for
+WHOLE_VARIANTS = ("delta",)  # compiled-whole's MHAR variants by default: a converted model under Trainer or TRL
+RATIO_TARGETS = {  # x plain (the fastest plain row of the preset), compiled path
+    "full H=8": {"100M": 0.88, "350M": 0.85, "1B": 0.85},
+    "block": {"100M": 0.95, "350M": 0.95, "1B": 0.95},
+    "delta": {"100M": 0.97, "350M": 0.97, "1B": 0.97, SLICE: 0.97},
+}
+MEMORY_TARGET = 1.05  # peak memory x plain, at most
+LOSSES = ("mhar-train", "transformers")  # causal_lm_loss on the logits (mhar train), or labels= (Trainer, TRL)
+CLIP = 1.0  # gradient-norm clipping: mhar train's and Trainer's default
+FALLBACK_WARNING = "using the reference routing op"  # what routing.route & co. warn when they fall back
+PROTOCOLS = ("realistic", "graph", "both")
 
 
 def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
@@ -331,32 +381,284 @@ def ratio_at_floor(kernel: dict, training: list[dict], baseline: dict) -> float 
     return round(kernel["tokens"] / baseline["tokens_per_s"] / at_floor_s, 3)
 
 
-def run(args) -> dict:
-    torch._dynamo.config.recompile_limit = 256  # reference+compile: one graph per source count
-    torch._dynamo.config.accumulated_recompile_limit = 4096
+# ----------------------------------------------------------------------------------------------
+# The realistic protocol
+
+def slice_source_config() -> LlamaConfig:
+    """Llama-3.1-8B's published config with 8 of its 32 layers: the plain side of the 8B slice."""
+    config = LlamaConfig.from_json_file(SLICE_SOURCE)
+    config.num_hidden_layers = SLICE_LAYERS
+    return config
+
+
+def plain_config_for(config: MHARConfig):
+    """The config of transformers' own class for an MHAR config's backbone (the same network as
+    its `standard` mode): Qwen3's where queries and keys are normed per head (the presets), else
+    Llama's."""
+    if config.qkv_bias:
+        raise ValueError("q/k/v biases (Qwen2) have no plain class here")
+    fields = {key: getattr(config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+        "tie_word_embeddings", "rope_parameters", "attention_bias", "attention_dropout", "bos_token_id",
+        "eos_token_id", "pad_token_id")}
+    fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if config.qk_norm:
+        return Qwen3Config(**fields, use_sliding_window=False)
+    return LlamaConfig(**fields, mlp_bias=config.mlp_bias)
+
+
+def case_config(case: dict):
+    """The model config of a realistic case: the plain class's, or MHAR's (routing forced onto the
+    fused kernels, which `auto` picks on a GPU anyway). The slice's MHAR config is the one
+    `mhar convert --heads 8 --num-blocks 8` writes for the sliced Llama config."""
+    preset, mode, heads = case["preset"], case["mode"], case["heads"] or 8
+    if preset == SLICE:
+        source = slice_source_config()
+        if case["label"] == "plain":
+            return source
+        config, _ = mhar_config_for(source, heads=heads, num_blocks=SLICE_BLOCKS)
+        config.residual_mode = mode  # delta, or standard for the check row
+    else:
+        config = MHARConfig.from_preset(preset, residual_mode=mode, residual_heads=heads)
+        if case["label"] == "plain":
+            return plain_config_for(config)
+    config.routing_implementation = "fused"
+    return config
+
+
+def realistic_cases(presets: list[str], variants: list[str], paths: list[str],
+                    whole_variants: list[str] = WHOLE_VARIANTS, checkpointed: list[str] = (SLICE,),
+                    loss: str = LOSSES[0]) -> list[dict]:
+    """The realistic protocol's configurations, in the order they run: first each preset's compiled
+    rows (what the targets are about: the plain class, MHAR `standard` as a check of it, each
+    variant), then the eager rows, then `torch.compile(model)` on the whole model (the plain class
+    and `whole_variants` of `variants`). The slice runs delta only; the `checkpointed` presets
+    with activation checkpointing."""
+    cases = []
+    for path in (p for p in REALISTIC_PATHS if p in paths):
+        if path == "compiled-whole":
+            variants = [v for v in variants if v in whole_variants]
+        for preset in presets:
+            batch, seq = REALISTIC_BATCH[preset]
+            base = dict(protocol="realistic", preset=preset, path=path, batch=batch, seq=seq,
+                        checkpointing=preset in checkpointed, loss=loss)
+            cases.append(dict(base, label="plain", mode="standard", heads=None))
+            if path == "compiled":
+                cases.append(dict(base, label="MHAR standard", mode="standard", heads=None))
+            cases += [dict(base, label=label, mode=mode, heads=heads) for label, mode, heads in VARIANTS
+                      if label in variants and (preset != SLICE or mode == "delta")]
+    return cases
+
+
+def build_realistic(case: dict, device: torch.device, backend: str):
+    """The case's model in fp32 on `device`, training, checkpointed and compiled as the case says:
+    `compiled` as `mhar train --compile` does (`compile_regions`; MHAR `standard`, standing for the
+    plain model, with each layer whole), `compiled-whole` as `Trainer(torch_compile=True)` does."""
+    config = case_config(case)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    cls = (MHARForCausalLM if isinstance(config, MHARConfig) else Qwen3ForCausalLM if isinstance(config, Qwen3Config)
+           else LlamaForCausalLM)
+    with torch.device(device):
+        model = cls(config).float().train()
+    if case["checkpointing"]:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if case["path"] == "compiled":
+        compile_regions(model, whole_layers=True if case["mode"] == "standard" else None, backend=backend)
+    elif case["path"] == "compiled-whole":
+        model = torch.compile(model, backend=backend)
+    return model
+
+
+def realistic_step(model, batch: int, seq: int, device: torch.device, loss: str = LOSSES[0]):
+    """One optimizer step as accelerate runs it with bf16 mixed precision: the forward under
+    autocast over the fp32 weights; the loss as `mhar train` takes it (`causal_lm_loss`: fp32 a
+    chunk of positions at a time, after the forward) or, with `loss="transformers"`, as Trainer and
+    TRL do (`labels=`: inside the forward, on the logits made fp32 whole); the backward, gradient
+    clipping and fused AdamW outside autocast."""
+    parameters = list(model.parameters())
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    labels = ids if loss == "transformers" else None
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+        if labels is None:
+            cross_entropy, z_loss = causal_lm_loss(out.logits, ids)
+            (cross_entropy + 0.0 * z_loss).backward()  # mhar train's default z-loss weight
+        else:
+            out.loss.backward()
+        del out
+        torch.nn.utils.clip_grad_norm_(parameters, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_steps(step, tokens: int, warmup: int, steps: int, device: torch.device) -> dict:
+    """Wall time of `steps` steps after `warmup` (at least 1: the first compiles, and its time is
+    `first_step_s`); the peak memory allocated over the timed steps (None off CUDA)."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    began = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - began
+    for _ in range(warmup - 1):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    seconds = (time.perf_counter() - began) / steps
+    return dict(step_ms=round(seconds * 1e3, 2), tokens_per_s=round(tokens / seconds),
+                peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+                first_step_s=round(first, 1))
+
+
+@contextlib.contextmanager
+def fused_reads_only():
+    """Every routing read must run on the fused kernels: the dispatch's fallback warning becomes
+    an error (its once-only memory cleared, so that a fallback seen before still raises)."""
+    routing._warned.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{FALLBACK_WARNING}", category=UserWarning)
+        yield
+
+
+def fell_back(error: BaseException) -> str | None:
+    """The fallback warning's text if `error` is it or was raised from it (torch.compile may wrap
+    it), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if FALLBACK_WARNING in str(error):
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def measure_realistic(case: dict, args, device: torch.device) -> dict:
+    """Time one realistic case: its record, with the figures, `status` "out of memory" or
+    "fell back to the reference op" (and the warning in `fallback`)."""
+    record = dict(case)
+    cuda = device.type == "cuda"
+    held = held_bytes() if cuda else 0
+    backend = args.compile_backend
+    model = build_realistic(case, device, backend)
+    record["model"] = type(getattr(model, "_orig_mod", model)).__name__
+    record["compile_backend"] = None if case["path"] == "eager" else backend
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    step = realistic_step(model, case["batch"], case["seq"], device, case["loss"])
+    try:
+        with fused_reads_only():
+            figures = time_steps(step, case["batch"] * case["seq"], args.warmup, args.steps, device)
+        record.update(own_memory(figures, held) if cuda else figures)
+        record["dynamo_graphs"] = counters["stats"]["unique_graphs"]
+        record["graph_breaks"] = sum(counters["graph_break"].values())
+    except torch.OutOfMemoryError:
+        record["status"] = "out of memory"
+    except Exception as error:
+        reason = fell_back(error)
+        if reason is None:
+            raise
+        record["status"], record["fallback"] = "fell back to the reference op", reason
+    print(record, flush=True)
+    del model, step
+    if cuda:
+        release()
+    else:
+        gc.collect()
+        torch._dynamo.reset()
+    return record
+
+
+def check_fallbacks(records: list[dict]) -> None:
+    """Exit with an error naming every realistic configuration whose routing reads fell back to
+    the reference op (its rows are written first)."""
+    failed = [r for r in records if "fallback" in r]
+    if failed:
+        raise SystemExit("routing reads fell back to the reference op in "
+                         + "; ".join(f"{r['preset']} {r['label']} {r['path']}: {r['fallback']}" for r in failed))
+
+
+def compare_realistic(records: list[dict]) -> None:
+    """Per preset, each timed row against the fastest plain row (the plain class or MHAR
+    `standard`, any path): `ratio_vs_baseline` (tokens/s) and `mem_ratio_vs_baseline` (peak); and
+    against the plain class at the same path (`ratio_same_path`, `mem_ratio_same_path`)."""
+    timed = [r for r in records if "tokens_per_s" in r]
+    for preset in dict.fromkeys(r["preset"] for r in timed):
+        rows = [r for r in timed if r["preset"] == preset]
+        plain = [r for r in rows if r["mode"] == "standard"]
+        if not plain:
+            continue
+        baseline = max(plain, key=lambda r: r["tokens_per_s"])
+        same_path = {r["path"]: r for r in plain if r["label"] == "plain"}
+        for r in rows:
+            for suffix, other in (("vs_baseline", baseline), ("same_path", same_path.get(r["path"]))):
+                if other is None or other is r:
+                    continue
+                r[f"ratio_{suffix}"] = round(r["tokens_per_s"] / other["tokens_per_s"], 3)
+                if r.get("peak_mem_gib") is not None and other.get("peak_mem_gib"):
+                    r[f"mem_ratio_{suffix}"] = round(r["peak_mem_gib"] / other["peak_mem_gib"], 3)
+
+
+def meets_target(r: dict) -> bool | None:
+    """Whether a realistic row meets its issue-42 target (speed and memory x plain); None if it
+    has none (only the compiled MHAR variants do)."""
+    target = RATIO_TARGETS.get(r.get("label"), {}).get(r["preset"])
+    if target is None or r["path"] != "compiled":
+        return None
+    if "ratio_vs_baseline" not in r:
+        return False
+    return r["ratio_vs_baseline"] >= target and r.get("mem_ratio_vs_baseline", 0) <= MEMORY_TARGET
+
+
+def run_realistic(args, device: torch.device) -> list[dict]:
+    """The realistic protocol's records (`realistic_cases` of the presets and variants asked for),
+    compared with `compare_realistic`. torch.compile keeps its default recompile limits here, as
+    in a user's run. No new configuration starts after `args.budget_s`."""
+    began = time.monotonic()
+    presets = [p for p in (args.presets or REALISTIC_BATCH) if p in REALISTIC_BATCH]
+    variants = args.variants or list(REALISTIC_VARIANTS)
+    records = []
+    for case in realistic_cases(presets, variants, args.realistic_paths, args.whole_variants, args.checkpointing,
+                                args.loss):
+        if time.monotonic() - began > args.budget_s:
+            records.append(dict(case, status="skipped: time budget"))
+            continue
+        records.append(measure_realistic(case, args, device))
+    compare_realistic(records)
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Both protocols
+
+def run_graph(args, report: dict) -> None:
+    """The graph protocol: its records into `report["training"]`, the kernel table into
+    `report["kernels"]`. No new configuration starts after `args.budget_s`."""
     began = time.monotonic()
     bandwidth = copy_bandwidth()
-    report = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(),
-        commit=args.commit,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        copy_bandwidth_tb_s=round(bandwidth / 1e12, 2),
-        warmup_steps=args.warmup,
-        timed_steps=args.steps,
-        training=[],
-        kernels=[],
-    )
+    report["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 2)
+    presets = [p for p in (args.presets or MICRO_BATCH) if p in MICRO_BATCH]
+    variants = args.variants or [v[0] for v in VARIANTS]
     baselines = {}
     # the fused paths run first for every preset (the targets are about them), the references after
     for paths in (("fused", "fused+graph"), ("reference", "reference+compile")):
-        for preset in args.presets:
+        for preset in presets:
             if preset not in baselines:
                 records = measure_baselines(preset, args)
                 report["training"] += records
                 baselines[preset] = max(records, key=lambda r: r["tokens_per_s"])
-            for label, mode, heads in (v for v in VARIANTS if v[0] in args.variants):
+            for label, mode, heads in (v for v in VARIANTS if v[0] in variants):
                 for path in (p for p in paths if p in args.paths):
                     record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path)
                     report["training"].append(record)
@@ -373,16 +675,74 @@ def run(args) -> dict:
     report["launch"] = {kind: dict(rows_per_program=rows, tile_elements_per_warp=per_warp,
                                    pipeline_stages=stages[0] if stages else None)
                         for kind, (rows, per_warp, *stages) in launch.current().shapes.items()}
+
+
+def run(args) -> dict:
+    """The protocols `args.protocol` names, realistic first, into one report."""
+    began = time.monotonic()
+    report = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(),
+        commit=args.commit,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        copy_bandwidth_tb_s=None,
+        warmup_steps=args.warmup,
+        timed_steps=args.steps,
+        training=[],
+        kernels=[],
+        realistic=[],
+    )
+    if args.protocol in ("realistic", "both"):
+        report["realistic"] = run_realistic(args, torch.device("cuda"))
+    if args.protocol in ("graph", "both"):
+        # reference+compile: one graph per source count
+        with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+            run_graph(args, report)
     report["elapsed_s"] = round(time.monotonic() - began)
     return report
 
 
+def realistic_markdown(records: list[dict]) -> list[str]:
+    """The realistic protocol's table: a row per configuration, the target where it has one."""
+    lines = [
+        "Realistic protocol (as users train): fp32 weights under bf16 autocast, fused AdamW, no CUDA graph. "
+        "x plain: against the fastest plain row of the preset; same path: against the plain class on the "
+        f"row's path. Targets: compiled MHAR, x plain at least the figure and peak memory at most {MEMORY_TARGET}x.",
+        "",
+        "| preset | batch | model | path | tokens/s | x plain | x plain, same path | peak GiB | mem x plain "
+        "| first step s | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        head = f"| {r['preset']} | {r['batch']}x{r['seq']} | {r['label']} | {r['path']} |"
+        if "tokens_per_s" not in r:
+            lines.append(f"{head} {r.get('status')} | | | | | | |")
+            continue
+        met = meets_target(r)
+        target = "" if met is None else f"{RATIO_TARGETS[r['label']][r['preset']]}: {'met' if met else 'missed'}"
+        lines.append(
+            f"{head} {r['tokens_per_s']:,} | {r.get('ratio_vs_baseline', '')} | {r.get('ratio_same_path', '')} "
+            f"| {r['peak_mem_gib'] or ''} | {r.get('mem_ratio_vs_baseline', '')} | {r['first_step_s']} | {target} |"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
+    bandwidth = report.get("copy_bandwidth_tb_s")
     lines = [
         f"Measured {report['date']} on {report['gpu']}, commit {report['commit']}, torch {report['torch']}, "
-        f"triton {report['triton']}; copy bandwidth {report['copy_bandwidth_tb_s']} TB/s; "
-        f"{report['timed_steps']} timed steps after {report['warmup_steps']} warm-up steps.",
+        f"triton {report['triton']}; " + (f"copy bandwidth {bandwidth} TB/s; " if bandwidth else "")
+        + f"{report['timed_steps']} timed steps after {report['warmup_steps']} warm-up steps.",
         "",
+    ]
+    if report.get("realistic"):
+        lines += realistic_markdown(report["realistic"])
+    if not report["training"]:  # the graph protocol did not run
+        return "\n".join(lines) + "\n"
+    if report.get("realistic"):
+        lines += ["", "Graph protocol (issue 3): bf16 weights, the whole step in one CUDA graph on the +graph paths.", ""]
+    lines += [
         "| preset | model | path | tokens/s | x plain | peak GiB | mem x plain |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -434,11 +794,30 @@ def result_rows(report: dict) -> list[tuple[str, dict, dict]]:
         metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib",
                                            "ratio_vs_baseline", "mem_ratio_vs_baseline") if key in r}
         rows.append(("train_throughput", config, metrics if metrics else {"out_of_memory": True}))
+    rows += [("train_throughput", *realistic_row(r, steps)) for r in report.get("realistic", ())
+             if "tokens_per_s" in r or r.get("status") in ("out of memory", "fell back to the reference op")]
     for k in report["kernels"]:
         config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites")}
         metrics = {key: value for key, value in k.items() if key not in config}
         rows.append(("routing_kernels", config, dict(metrics, copy_bandwidth_tb_s=report["copy_bandwidth_tb_s"])))
     return rows
+
+
+def realistic_row(r: dict, steps: dict) -> tuple[dict, dict]:
+    """(config, metrics) of a realistic record; one that ran out of memory has `out_of_memory`,
+    one whose reads fell back to the reference op `fell_back_to_reference`."""
+    config = dict(protocol="realistic", preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r["label"],
+                  model=r["model"], path=r["path"], batch=r["batch"], seq=r["seq"], weights="float32",
+                  autocast="bfloat16", loss=r["loss"], checkpointing=r["checkpointing"],
+                  compile_backend=r["compile_backend"],
+                  **steps)
+    if "tokens_per_s" not in r:
+        return config, {"out_of_memory" if r["status"] == "out of memory" else "fell_back_to_reference": True}
+    metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib", "first_step_s",
+                                       "ratio_vs_baseline", "mem_ratio_vs_baseline", "ratio_same_path",
+                                       "mem_ratio_same_path", "dynamo_graphs", "graph_breaks") if key in r}
+    met = meets_target(r)
+    return config, metrics if met is None else dict(metrics, meets_target=met)
 
 
 def record(report: dict, folder: Path | None = None) -> None:
@@ -451,25 +830,54 @@ def record(report: dict, folder: Path | None = None) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=list(MICRO_BATCH), choices=list(MICRO_BATCH))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    parser.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS])
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="both",
+                        help="realistic (as users train), graph (issue 3's harness) or both, realistic first "
+                        "(default; about 16 min: on a 10-minute machine run them as two commands)")
+    parser.add_argument("--presets", nargs="+", choices=list(REALISTIC_BATCH),
+                        help=f"default: every preset ({SLICE}: realistic protocol only)")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="graph protocol's paths")
+    parser.add_argument("--realistic-paths", nargs="+", default=list(REALISTIC_DEFAULT_PATHS), choices=REALISTIC_PATHS,
+                        help="realistic protocol's paths: compiled (as `mhar train --compile`; the targets), eager "
+                        "(a plain loop), compiled-whole (torch.compile(model), as Trainer(torch_compile=True): "
+                        "a minute or two a model, so only when asked)")
+    parser.add_argument("--whole-variants", nargs="+", default=list(WHOLE_VARIANTS), choices=[v[0] for v in VARIANTS],
+                        help="the MHAR variants compiled-whole runs beside the plain model")
+    parser.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS],
+                        help=f"default: every variant (graph), {', '.join(REALISTIC_VARIANTS)} (realistic)")
     parser.add_argument("--compile-reference", nargs="*", default=["100M"],
-                        help="presets where full H=8 also runs with the reference op compiled (one graph per "
-                        "layer, since every layer reads a different number of sources: minutes to build)")
+                        help="graph protocol: presets where full H=8 also runs with the reference op compiled "
+                        "(one graph per layer, since every layer reads a different number of sources: minutes to build)")
+    parser.add_argument("--compile-backend", default="inductor", help="realistic protocol's torch.compile backend")
+    parser.add_argument("--checkpointing", nargs="*", default=[SLICE], choices=list(REALISTIC_BATCH),
+                        help="realistic protocol: presets run with (non-reentrant) activation checkpointing")
+    parser.add_argument("--loss", choices=LOSSES, default=LOSSES[0],
+                        help="realistic protocol's loss: mhar train's chunked fp32 loss, or transformers' labels= "
+                        "(Trainer, TRL: the whole logits in fp32)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, default=480, help="start no new configuration after this long")
+    parser.add_argument("--budget-s", type=float, default=480,
+                        help="start no new configuration of a protocol after this long into it")
+    parser.add_argument("--list", action="store_true", help="print the realistic protocol's configurations and exit")
     parser.add_argument("--commit", help="the commit measured (default: $MHAR_COMMIT, else git's HEAD here)")
     parser.add_argument("--results", type=Path, help="the results folder (default: $MHAR_RESULTS_DIR, else "
                         "benchmarks/results)")
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (the first step compiles)")
+    if args.list:
+        presets = [p for p in (args.presets or REALISTIC_BATCH) if p in REALISTIC_BATCH]
+        for case in realistic_cases(presets, args.variants or list(REALISTIC_VARIANTS), args.realistic_paths,
+                                    args.whole_variants, args.checkpointing, args.loss):
+            print(f"{case['preset']} {case['batch']}x{case['seq']} {case['label']} {case['path']}"
+                  + (" checkpointed" if case["checkpointing"] else ""))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
     args.commit = args.commit or git_commit()
     report = run(args)
     record(report, args.results)
     print(markdown(report))
+    check_fallbacks(report["realistic"])
 
 
 if __name__ == "__main__":

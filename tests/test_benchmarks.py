@@ -290,3 +290,197 @@ def test_ratio_at_floor_swaps_the_kernels_time_for_their_floor_in_the_fastest_fu
     expected = plain_ms / (step_ms - 2.2 + 1.0)
     assert ratio_at_floor(kernel, training, {"tokens_per_s": 96804}) == round(expected, 3)
     assert ratio_at_floor(kernel, training[2:4], {"tokens_per_s": 96804}) is None
+
+
+# The realistic protocol (issue 42), run on the CPU at tiny sizes: the fused reads under the Triton
+# interpreter, torch.compile with its `eager` backend (Dynamo's tracing and graph breaks, no Inductor).
+TINY_SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=0)
+
+
+@pytest.fixture
+def tiny_realistic(monkeypatch):
+    """bench_train's realistic protocol with every case's config (the real one: preset, plain class,
+    sliced Llama-3.1-8B) shrunk to TINY_SIZES, and micro-batches of 32 and 16 tokens. Returns a
+    function running the protocol's cases for the given presets, variants and paths."""
+    from argparse import Namespace
+
+    import bench_train
+
+    real = bench_train.case_config
+
+    def tiny(case):
+        config = real(case)
+        fields = {**config.to_dict(), **TINY_SIZES}
+        fields.pop("layer_types", None)  # Qwen3's, one per layer: made again for 3 layers
+        return type(config).from_dict(fields)
+
+    monkeypatch.setattr(bench_train, "case_config", tiny)
+    monkeypatch.setattr(bench_train, "REALISTIC_BATCH", {"100M": (2, 16), bench_train.SLICE: (1, 16)})
+
+    def run(presets, variants, paths, whole_variants=("delta",), loss="mhar-train"):
+        args = Namespace(presets=presets, variants=variants, realistic_paths=paths, whole_variants=whole_variants,
+                         checkpointing=[bench_train.SLICE], loss=loss, warmup=1, steps=1, budget_s=3600,
+                         compile_backend="eager")
+        return bench_train.run_realistic(args, torch.device("cpu"))
+
+    return run
+
+
+def test_realistic_cases_put_the_targets_first_at_16k_tokens_and_the_slice_in_delta_mode():
+    """bench_train.realistic_cases: every compiled row (plain class, MHAR standard, variants) before
+    any eager one, torch.compile(model) rows last and only for the plain class and the whole
+    variants; 16k tokens a micro-batch everywhere; the 8B slice in delta mode alone, checkpointed."""
+    from bench_train import REALISTIC_BATCH, REALISTIC_PATHS, SLICE, realistic_cases
+
+    cases = realistic_cases(list(REALISTIC_BATCH), ["full H=8", "block", "delta"], list(REALISTIC_PATHS))
+    paths = [c["path"] for c in cases]
+    assert paths == sorted(paths, key=REALISTIC_PATHS.index)
+    assert all(c["batch"] * c["seq"] == 16384 and c["protocol"] == "realistic" for c in cases)
+    assert all(c["checkpointing"] == (c["preset"] == SLICE) for c in cases)
+    by_path = {path: [(c["preset"], c["label"]) for c in cases if c["path"] == path] for path in REALISTIC_PATHS}
+    assert by_path["compiled"][:5] == [("100M", "plain"), ("100M", "MHAR standard"), ("100M", "full H=8"),
+                                       ("100M", "block"), ("100M", "delta")]
+    assert [label for preset, label in by_path["compiled"] if preset == SLICE] == ["plain", "MHAR standard", "delta"]
+    assert [label for preset, label in by_path["eager"] if preset == SLICE] == ["plain", "delta"]
+    assert by_path["compiled-whole"] == [(p, label) for p in REALISTIC_BATCH for label in ("plain", "delta")]
+    assert len(by_path["compiled"]) == 18 and len(by_path["eager"]) == 14
+
+
+def test_realistic_configs_are_the_presets_and_llama_3_1_8b_sliced():
+    """bench_train.case_config: the slice is Llama-3.1-8B's published config with 8 layers (plain),
+    and what `mhar convert --heads 8 --num-blocks 8` makes of it (delta, fused reads); a preset's
+    plain side is Qwen3 of the preset's shape."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    from bench_train import SLICE, case_config
+    from mhar_hf import MHARConfig
+
+    def config(preset, label, mode="delta", heads=8):
+        return case_config(dict(preset=preset, label=label, mode=mode, heads=heads))
+
+    plain, delta = config(SLICE, "plain", "standard", None), config(SLICE, "delta")
+    assert type(plain) is LlamaConfig and type(delta) is MHARConfig
+    for c in (plain, delta):
+        assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                c.vocab_size, c.tie_word_embeddings) == (4096, 14336, 8, 32, 8, 128256, False)
+        assert c.rope_parameters["rope_type"] == "llama3"
+    assert (delta.residual_mode, delta.residual_heads, delta.layers_per_block, delta.routing_implementation) == (
+        "delta", 8, 1, "fused")
+    assert config(SLICE, "MHAR standard", "standard", None).residual_mode == "standard"
+
+    preset = MHARConfig.from_preset("1B")
+    qwen = config("1B", "plain", "standard", None)
+    assert type(qwen) is Qwen3Config and not qwen.use_sliding_window
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.head_dim, qwen.vocab_size, qwen.tie_word_embeddings) == (
+        preset.hidden_size, preset.num_hidden_layers, 80, preset.vocab_size, True)
+    full = config("1B", "full H=8", "full")
+    assert (full.residual_mode, full.residual_heads, full.routing_implementation) == ("full", 8, "fused")
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_plain_class_is_the_network_of_standard_mode(qk_norm):
+    """bench_train.plain_config_for: transformers' own class (Qwen3 with q/k norm, else Llama) takes
+    an MHAR standard model's weights by name and gives its logits bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from bench_train import plain_config_for
+
+    config = tiny_config(residual_mode="standard", qk_norm=qk_norm, tie_word_embeddings=qk_norm)
+    mhar = MHARForCausalLM(config).eval()
+    plain = AutoModelForCausalLM.from_config(plain_config_for(config)).eval()
+    assert type(plain).__name__ == ("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
+    plain.load_state_dict(mhar.state_dict(), strict=True)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    assert torch.equal(plain(ids).logits, mhar(ids).logits)
+
+
+def test_realistic_protocol_runs_fp32_weights_under_bf16_autocast_and_records_its_rows(tiny_realistic, monkeypatch,
+                                                                                       tmp_path):
+    """The 8B slice through every path: each step's matmuls in bf16 over fp32 weights, each row
+    timed and compared with the plain class, and written as a train_throughput row that says so."""
+    import bench_train
+    import results_log
+
+    seen = []
+    real_step = bench_train.realistic_step
+
+    def spying_step(model, *args):
+        head = getattr(model, "_orig_mod", model).lm_head
+        head.register_forward_hook(lambda module, inputs, output: seen.append((module.weight.dtype, output.dtype)))
+        return real_step(model, *args)
+
+    monkeypatch.setattr(bench_train, "realistic_step", spying_step)
+    records = tiny_realistic([bench_train.SLICE], ["delta"], list(bench_train.REALISTIC_PATHS))
+    assert [(r["label"], r["path"], r["model"]) for r in records] == [
+        ("plain", "compiled", "LlamaForCausalLM"), ("MHAR standard", "compiled", "MHARForCausalLM"),
+        ("delta", "compiled", "MHARForCausalLM"), ("plain", "eager", "LlamaForCausalLM"),
+        ("delta", "eager", "MHARForCausalLM"), ("plain", "compiled-whole", "LlamaForCausalLM"),
+        ("delta", "compiled-whole", "MHARForCausalLM")]
+    assert seen and set(seen) == {(torch.float32, torch.bfloat16)}
+    assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] is None for r in records)
+    # against the fastest plain row (the plain class or MHAR standard), which has no ratio itself
+    assert [r["label"] for r in records if "ratio_vs_baseline" not in r] in (["plain"], ["MHAR standard"])
+    assert all("ratio_same_path" in r for r in records if r["label"] != "plain")
+    # compile_regions leaves the reads outside its graphs; torch.compile(model) breaks its graph at each
+    assert records[2]["dynamo_graphs"] > 0 and records[2]["graph_breaks"] == 0 and records[6]["graph_breaks"] > 0
+    assert records[3]["dynamo_graphs"] == 0
+
+    report = dict(date="2026-12-07T09:00:00+00:00", gpu="cpu", commit="0123abc", torch="t", triton="tr",
+                  copy_bandwidth_tb_s=None, warmup_steps=1, timed_steps=1, training=[], kernels=[], realistic=records)
+    bench_train.record(report, tmp_path)
+    rows = results_log.read_results("train_throughput", tmp_path)
+    assert len(rows) == len(records)
+    assert rows[2]["config"] == dict(protocol="realistic", preset=bench_train.SLICE, mode="delta", heads=8,
+                                     variant="delta", model="MHARForCausalLM", path="compiled", batch=1, seq=16,
+                                     weights="float32", autocast="bfloat16", loss="mhar-train", checkpointing=True,
+                                     compile_backend="eager", warmup_steps=1, timed_steps=1)
+    assert rows[4]["config"]["compile_backend"] is None
+    assert "meets_target" in rows[2]["metrics"] and "meets_target" not in rows[4]["metrics"]
+    assert "| 8B-slice | 1x16 | delta | compiled |" in bench_train.markdown(report)
+
+
+def test_realistic_protocol_fails_loudly_when_a_read_falls_back_to_the_reference_op(tiny_realistic, monkeypatch,
+                                                                                    tmp_path):
+    """A routing read that the fused kernels decline (here all of them) is no measurement: the row
+    says it fell back and why, its row is written flagged, and the run exits with an error."""
+    import bench_train
+    import results_log
+    from mhar_hf.ops import routing as fused
+
+    monkeypatch.setattr(fused, "unsupported_reason", lambda *args, **kwargs: "declined by the test")
+    records = tiny_realistic(["100M"], ["full H=8"], ["eager"], loss="transformers")  # Trainer's loss, labels=
+    assert [(r["label"], r["model"], r.get("status")) for r in records] == [
+        ("plain", "Qwen3ForCausalLM", None), ("full H=8", "MHARForCausalLM", "fell back to the reference op")]
+    assert "declined by the test" in records[1]["fallback"] and "tokens_per_s" not in records[1]
+
+    report = dict(date="2026-12-07T09:00:00+00:00", gpu="cpu", commit="0123abc", torch="t", triton="tr",
+                  copy_bandwidth_tb_s=None, warmup_steps=1, timed_steps=1, training=[], kernels=[], realistic=records)
+    bench_train.record(report, tmp_path)
+    assert results_log.read_results("train_throughput", tmp_path)[1]["metrics"] == {"fell_back_to_reference": True}
+    with pytest.raises(SystemExit, match="100M full H=8 eager: declined by the test"):
+        bench_train.check_fallbacks(records)
+
+
+def test_realistic_markdown_judges_compiled_variants_against_their_targets():
+    """bench_train.meets_target: a compiled variant meets its target with x plain at least the
+    figure and peak memory at most 1.05x plain; other rows have none."""
+    from bench_train import markdown, meets_target
+
+    row = dict(protocol="realistic", preset="350M", batch=8, seq=2048, mode="block", heads=8, label="block",
+               path="compiled", tokens_per_s=95000, peak_mem_gib=40.0, first_step_s=30.5, ratio_vs_baseline=0.95,
+               mem_ratio_vs_baseline=1.05, ratio_same_path=0.95)
+    assert meets_target(row) is True
+    assert meets_target({**row, "ratio_vs_baseline": 0.949}) is False
+    assert meets_target({**row, "mem_ratio_vs_baseline": 1.051}) is False
+    assert meets_target({**row, "path": "eager"}) is None and meets_target({**row, "label": "plain"}) is None
+    assert meets_target({**row, "preset": "8B-slice", "label": "delta", "mode": "delta"}) is False  # 0.97 there
+    report = dict(date="d", gpu="g", commit="c", torch="t", triton="tr", copy_bandwidth_tb_s=None, warmup_steps=3,
+                  timed_steps=5, training=[], kernels=[],
+                  realistic=[row, {**row, "label": "full H=8", "mode": "full", "tokens_per_s": None,
+                                   "status": "out of memory"}])
+    del report["realistic"][1]["tokens_per_s"]
+    text = markdown(report)
+    assert "| 350M | 8x2048 | block | compiled | 95,000 | 0.95 | 0.95 | 40.0 | 1.05 | 30.5 | 0.95: met |" in text
+    assert "| 350M | 8x2048 | full H=8 | compiled | out of memory |" in text
+    assert "copy bandwidth" not in text and "Graph protocol" not in text
