@@ -11,8 +11,9 @@ default) runs the realistic one, then the graph one: longer than one 10-minute c
 
 `realistic` (issue 42): a step as users train. fp32 master weights under bf16 autocast (what
 accelerate's mixed precision runs for `mhar train`, FSDP2, transformers' `Trainer` and TRL), fused
-AdamW, gradient clipping, `mhar train`'s chunked fp32 loss (`--loss transformers`: `labels=`, as
-Trainer and TRL), no CUDA graph, 16k tokens a micro-batch (`REALISTIC_BATCH`) at every preset and
+AdamW, gradient clipping, `mhar train`'s chunked fp32 loss on the logits (`--loss transformers`:
+`labels=`, as Trainer and TRL; `--loss fused-linear`: `mhar train --loss fused-linear`, from the
+hidden states without logits), no CUDA graph, 16k tokens a micro-batch (`REALISTIC_BATCH`) at every preset and
 on an 8B-shape slice (Llama-3.1-8B's published config with 8 of its 32 layers, in delta mode as
 `mhar convert` writes it, with non-reentrant activation checkpointing). The plain model is
 transformers' own class of the same network (Qwen3 for the Qwen3-style presets, Llama for the
@@ -58,7 +59,7 @@ from mhar_hf.convert import mhar_config_for
 from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing import launch
 from mhar_hf.train.compile import compile_regions
-from mhar_hf.train.optim import causal_lm_loss
+from mhar_hf.train.optim import causal_lm_loss, fused_loss_head, model_loss
 from mhar_hf.routing import Read
 from results_log import REPO, append_result, git_commit
 
@@ -90,7 +91,9 @@ RATIO_TARGETS = {  # x plain (the fastest plain row of the preset), compiled pat
     "delta": {"100M": 0.97, "350M": 0.97, "1B": 0.97, SLICE: 0.97},
 }
 MEMORY_TARGET = 1.05  # peak memory x plain, at most
-LOSSES = ("mhar-train", "transformers")  # causal_lm_loss on the logits (mhar train), or labels= (Trainer, TRL)
+# causal_lm_loss on the logits (mhar train --loss chunked), labels= (Trainer, TRL), or the fused linear loss
+# (mhar train --loss fused-linear: the peak-memory comparison of issue 42 item 3 runs this against mhar-train)
+LOSSES = ("mhar-train", "transformers", "fused-linear")
 CLIP = 1.0  # gradient-norm clipping: mhar train's and Trainer's default
 FALLBACK_WARNING = "using the reference routing op"  # what routing.route & co. warn when they fall back
 PROTOCOLS = ("realistic", "graph", "both")
@@ -475,18 +478,27 @@ def realistic_step(model, batch: int, seq: int, device: torch.device, loss: str 
     """One optimizer step as accelerate runs it with bf16 mixed precision: the forward under
     autocast over the fp32 weights; the loss as `mhar train` takes it (`causal_lm_loss`: fp32 a
     chunk of positions at a time, after the forward) or, with `loss="transformers"`, as Trainer and
-    TRL do (`labels=`: inside the forward, on the logits made fp32 whole); the backward, gradient
-    clipping and fused AdamW outside autocast."""
+    TRL do (`labels=`: inside the forward, on the logits made fp32 whole), or with
+    `loss="fused-linear"` in the output layer's forward under autocast (`model_loss`, no logits);
+    the backward, gradient clipping and fused AdamW outside autocast."""
     parameters = list(model.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     labels = ids if loss == "transformers" else None
+    head = fused_loss_head(model)[0] if loss == "fused-linear" else None
+    if loss == "fused-linear" and head is None:
+        raise ValueError(f"--loss fused-linear does not cover {type(model).__name__}: {fused_loss_head(model)[1]}")
 
     def step():
+        out = None
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=labels, use_cache=False)
+            if head is not None:
+                cross_entropy, z_loss = model_loss(model, ids, head)
+            else:
+                out = model(input_ids=ids, labels=labels, use_cache=False)
         if labels is None:
-            cross_entropy, z_loss = causal_lm_loss(out.logits, ids)
+            if head is None:
+                cross_entropy, z_loss = causal_lm_loss(out.logits, ids)
             (cross_entropy + 0.0 * z_loss).backward()  # mhar train's default z-loss weight
         else:
             out.loss.backward()
@@ -851,7 +863,8 @@ def main():
     parser.add_argument("--checkpointing", nargs="*", default=[SLICE], choices=list(REALISTIC_BATCH),
                         help="realistic protocol: presets run with (non-reentrant) activation checkpointing")
     parser.add_argument("--loss", choices=LOSSES, default=LOSSES[0],
-                        help="realistic protocol's loss: mhar train's chunked fp32 loss, or transformers' labels= "
+                        help="realistic protocol's loss: mhar train's chunked fp32 loss on the logits, fused-linear "
+                        "(mhar train --loss fused-linear; not with compiled-whole), or transformers' labels= "
                         "(Trainer, TRL: the whole logits in fp32)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
@@ -864,6 +877,9 @@ def main():
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
+    if args.loss == "fused-linear" and "compiled-whole" in args.realistic_paths:
+        # its output layer's forward is swapped for the loss each step: a whole-model graph would recompile
+        parser.error("--loss fused-linear runs on the compiled (mhar train --compile) and eager paths, not compiled-whole")
     if args.list:
         presets = [p for p in (args.presets or REALISTIC_BATCH) if p in REALISTIC_BATCH]
         for case in realistic_cases(presets, args.variants or list(REALISTIC_VARIANTS), args.realistic_paths,

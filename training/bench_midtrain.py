@@ -7,7 +7,7 @@
    (residual_mode="standard") with the same script and settings (training/configs/single_gpu.yaml,
    bf16 autocast over fp32 master weights): median tokens/s after warm-up, and peak memory.
 
-    python training/bench_midtrain.py --out RESULTS_DIR [--steps 30 --seq-length 2048 --batch-size 8]
+    python training/bench_midtrain.py --out RESULTS_DIR [--steps 30 --seq-length 2048 --batch-size 8] [--loss chunked]
 
 Keeps the runs' logs in RESULTS_DIR, appends a row per part (the FSDP check, each model's throughput)
 to benchmarks/results/midtrain.jsonl (benchmarks/results_log.py; --results or $MHAR_RESULTS_DIR for
@@ -30,6 +30,8 @@ from pathlib import Path
 CONFIGS = Path(__file__).parent / "configs"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from results_log import append_result, utc_now  # noqa: E402
+
+from mhar_hf.train.optim import LOSSES  # noqa: E402
 
 
 def write_synthetic_corpus(path: Path, tokens: int, seed: int = 0) -> None:
@@ -116,7 +118,7 @@ def throughput(work: Path, corpus: Path, tokenizer, out: Path, args) -> dict:
                 "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
                 "--max-steps", str(args.steps), "--warmup-steps", str(min(5, args.steps - 1)), "--lr", "4e-4",
                 "--z-loss", "1e-4", "--save-every", "100000", "--eval-every", "100000", "--val-sequences", "4",
-                "--report-to", "none",
+                "--report-to", "none", "--loss", args.loss,
             ], out / f"throughput_{mode}_{attempt}.log", env={"MHAR_ROUTING": attempt}, check=attempt == "reference")
             if wall is not None:
                 routing = attempt
@@ -149,7 +151,7 @@ def result_rows(summary: dict, args) -> list[tuple[dict, dict]]:
     for mode in ("standard", "delta"):
         figures = dict(t[mode])
         config = dict(part="throughput", preset="100M", mode=mode, routing=figures.pop("routing_implementation"),
-                      seq_length=args.seq_length, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup)
+                      loss=args.loss, seq_length=args.seq_length, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup)
         if mode == "delta":
             figures.update(tokens_per_s_vs_standard=t["delta_over_standard_tokens_per_s"],
                            peak_memory_vs_standard=t["delta_over_standard_peak_memory"])
@@ -166,6 +168,8 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-fsdp", action="store_true")
+    parser.add_argument("--loss", choices=LOSSES, default=LOSSES[0], help="the throughput runs' mhar train --loss "
+                        "(the FSDP check keeps mhar train's default)")
     parser.add_argument("--results", type=Path, help="the results folder (default: $MHAR_RESULTS_DIR, else "
                         "benchmarks/results)")
     args = parser.parse_args()

@@ -27,7 +27,7 @@ from .checkpoint import (
 )
 from .compile import compile_regions
 from .data import build_corpus, check_sources
-from .optim import WeightEMA, build_optimizer, build_scheduler, causal_lm_loss
+from .optim import WeightEMA, build_optimizer, build_scheduler, fused_loss_head, model_loss
 from .options import check_options
 from .run_folder import check_output, run_folder, stop_with_launcher
 
@@ -77,10 +77,23 @@ def gate_magnitudes(gates: list[torch.Tensor]) -> dict[str, float]:
     return {"gate_abs_mean": values.mean().item(), "gate_abs_max": values.max().item()}
 
 
+def loss_head(model, choice: str, log=print):
+    """The output layer `model_loss` computes the fused loss in (`--loss fused-linear`), or None:
+    the loss on the logits (`--loss chunked`, or a model the fused loss does not cover, said
+    through `log`)."""
+    if choice == "chunked":
+        return None
+    head, reason = fused_loss_head(model)
+    if head is None:
+        log(f"--loss {choice}: {reason}; computing the loss from the logits (--loss chunked) instead")
+    return head
+
+
 @torch.no_grad()
-def validation_loss(model, val: torch.Tensor, batch_size: int, accelerator) -> float | None:
+def validation_loss(model, val: torch.Tensor, batch_size: int, accelerator, head=None) -> float | None:
     """Mean next-token loss over the held-out sequences, split across processes. Every process
-    runs the same number of forwards (FSDP2 gathers in each); padding batches weigh zero."""
+    runs the same number of forwards (FSDP2 gathers in each); padding batches weigh zero.
+    `head`: as `model_loss` takes it."""
     if len(val) == 0:
         return None
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -94,7 +107,7 @@ def validation_loss(model, val: torch.Tensor, batch_size: int, accelerator) -> f
         if weight == 0:
             chunk = val[:1]
         chunk = chunk.to(accelerator.device)
-        loss, _ = causal_lm_loss(model(input_ids=chunk, use_cache=False).logits, chunk)
+        loss, _ = model_loss(model, chunk, head)
         totals += torch.tensor([loss.item() * weight, weight], device=accelerator.device, dtype=torch.float64)
     model.train()
     totals = accelerator.reduce(totals, reduction="sum")
@@ -244,6 +257,7 @@ def run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state
     metrics = MetricsLog(output / "metrics.jsonl", state.step if args.resume else None, accelerator.is_main_process)
     parameters = list(model.parameters())  # all of them: accelerate's FSDP2 clipping path expects exactly these
     gates = gate_tensors(model)
+    head = loss_head(accelerator.unwrap_model(model), args.loss, accelerator.print)
     batches = corpus.micro_batches(state.position, args.batch_size, rank, world)
     progress = tqdm(total=args.max_steps, initial=state.step, disable=not accelerator.is_main_process,
                     desc="train", unit="step", dynamic_ncols=True)
@@ -257,7 +271,7 @@ def run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state
             batch = next(batches).to(accelerator.device)
             sync = nullcontext() if micro == args.grad_accum - 1 else accelerator.no_sync(model)
             with sync:
-                cross_entropy, z_loss = causal_lm_loss(model(input_ids=batch, use_cache=False).logits, batch)
+                cross_entropy, z_loss = model_loss(model, batch, head)
                 accelerator.backward((cross_entropy + args.z_loss * z_loss) / args.grad_accum)
             loss_sum += cross_entropy.detach()
             z_sum += z_loss.detach()
@@ -283,7 +297,7 @@ def run_steps(args, accelerator, model, optimizer, scheduler, ema, corpus, state
             if torch.cuda.is_available():
                 record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if state.step % args.eval_every == 0 or last_step:
-                record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator)
+                record["val_loss"] = validation_loss(model, corpus.val, args.batch_size, accelerator, head)
             metrics.write(record)
             accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=state.step)
             progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")

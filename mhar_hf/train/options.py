@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .optim import SCHEDULES
+from .optim import LOSSES, SCHEDULES
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -59,6 +59,10 @@ class TrainOptions:
     adam_eps: float = option(1e-8, OPT, "AdamW's epsilon", type=float)
     clip: float = option(1.0, OPT, "gradient-norm clipping (0: off)", type=float)
     z_loss: float = option(0.0, OPT, "weight of mean(logsumexp(logits)^2); the paper: 1e-4", type=float)
+    loss: str = option(LOSSES[0], OPT, "fused-linear: cross-entropy and z-loss computed from the final hidden states "
+                       "and the output layer's weight a chunk of positions at a time, the logits never made whole; "
+                       "chunked: from the model's logits (a model fused-linear does not cover falls back to it)",
+                       choices=LOSSES)
     ema_decay: float = option(0.0, OPT, "weight EMA decay (0: off; the paper: 0.999); the saved model is the EMA",
                               type=float)
     mixed_precision: str | None = option(None, OPT, "default: what `accelerate launch` / its config says",
