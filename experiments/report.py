@@ -5,7 +5,7 @@
 
 --collect first copies what the report reads out of a runs folder (train_arms.py's) into
 --results: per arm metrics.jsonl, info.json, training.json (the final model's
-mhar_training.json), step0.json and calibration.jsonl where present, plus budget.json and the
+mhar_training.json), step0.json and calibration.jsonl where present, and the
 corpus's stats.json. Then the markdown page (--out) and its PNG (beside it) are written from
 --results alone, so the page can be regenerated anywhere.
 """
@@ -45,8 +45,6 @@ def collect(runs: Path, corpus: Path | None, results: Path) -> None:
                 shutil.copyfile(folder / source, results / folder.name / name)
         if (folder / "info-calibration.json").is_file():
             shutil.copyfile(folder / "info-calibration.json", results / folder.name / "calibration-info.json")
-    if (runs / "budget.json").is_file():
-        shutil.copyfile(runs / "budget.json", results / "budget.json")
     if corpus is not None and (corpus / "stats.json").is_file():
         shutil.copyfile(corpus / "stats.json", results / "corpus_stats.json")
 
@@ -168,28 +166,36 @@ def plot(arms: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def observations(arms: dict, noise: float | None, params: int, budget: dict | None) -> list[str]:
+def observations(arms: dict, noise: float | None, params: int, tokens: int | None) -> list[str]:
     """Plain statements read off the finished from-scratch arms."""
-    done = {n: arms[n] for n in FROM_SCRATCH if arms.get(n) and arms[n]["finished"]}
+    done = {n: arms[n] for n in FROM_SCRATCH + [b for _, b in SEED_PAIRS] if arms.get(n) and arms[n]["finished"]}
     lines = []
-    if budget and budget["tokens_per_arm"] < TOKENS_PER_PARAMETER * params:
-        lines.append(f"- Every arm is early in training ({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding "
+    if tokens and tokens < TOKENS_PER_PARAMETER * params:
+        lines.append(f"- Every arm is early in training ({tokens / params:.1f} tokens per non-embedding "
                      "parameter): these are losses after the first few million tokens, not where the schemes end up.")
     if noise is not None:
         lines.append(f"- Two seeds of the same arm differ by up to {noise:.3f} in final loss here, so only gaps well "
                      "above that mean anything.")
+    pairs = [(a, b) for a, b in (("full-h8", "plain"), ("full-h8-seed1", "plain-seed1")) if a in done and b in done]
+    if len(pairs) == 2:
+        gaps = [done[a]["val_loss"] - done[b]["val_loss"] for a, b in pairs]
+        lines.append("- Full H = 8 against plain at the same seed: " + ", ".join(
+            f"seed {seed_of(a)} {gap:+.4f}" for (a, _), gap in zip(pairs, gaps))
+            + (" (lower at both seeds)." if all(g < 0 for g in gaps) else "."))
     heads = [(ARMS[n].heads, done[n]["val_loss"]) for n in ("full-h1", "full-h4", "full-h8", "full-h16") if n in done]
     if len(heads) >= 3:
         order = " < ".join(f"H = {h}" for h, _ in sorted(heads, key=lambda hv: hv[1]))
         lines.append(f"- Full mode by loss, lowest first: {order}.")
     if "plain" in done:
-        beat = [n for n in done if n != "plain" and noise is not None and done["plain"]["val_loss"] - done[n]["val_loss"] > noise]
+        beat = [n for n in done if not n.startswith("plain") and noise is not None
+                and done["plain"]["val_loss"] - done[n]["val_loss"] > noise]
         if beat:
             lines.append(f"- Below plain by more than the seed noise: {', '.join(f'`{n}`' for n in beat)}.")
-    if "full-h1" in done and "full-h8" in done and at_once(done["full-h1"]["info"]) == at_once(done["full-h8"]["info"]):
-        lines.append(f"- Speed, trained side by side ({at_once(done['full-h8']['info'])[0]} arms at once): full H = 1 "
-                     f"{done['full-h1']['tokens_per_s']:,.0f} tokens/s, full H = 8 {done['full-h8']['tokens_per_s']:,.0f} "
-                     "(`mhar train` runs the model eagerly, without torch.compile).")
+    side_by_side = [n for n in ("plain", "full-h1", "full-h8") if n in done]
+    if len(side_by_side) == 3 and len({tuple(at_once(done[n]["info"])) for n in side_by_side}) == 1:
+        lines.append(f"- Speed, trained side by side ({at_once(done['full-h8']['info'])[0]} arms at once): "
+                     + ", ".join(f"{describe(n)} {done[n]['tokens_per_s']:,.0f} tokens/s" for n in side_by_side)
+                     + " (`mhar train` runs the model eagerly, without torch.compile).")
     return lines
 
 
@@ -229,15 +235,6 @@ def claims(arms: dict, noise: float | None, results: Path) -> list[str]:
     ]
 
 
-def rerun_estimate(budget: dict, tokens: int) -> str:
-    """Device time of the from-scratch arms and seeds at `tokens` each, at the speeds measured alone."""
-    speeds = budget["calibration_tokens_per_s"]
-    names = FROM_SCRATCH + [b for _, b in SEED_PAIRS]
-    seconds = sum(tokens / (speeds["plain"] if ARMS[n].mode == "standard" else speeds["full-h8"]) for n in names)
-    return (f"At the speeds measured alone that is about {seconds / 60:.0f} minutes of training on "
-            f"{budget['device']} for the {len(names)} from-scratch arms, plus start-up and the mid-training runs.")
-
-
 def reference_op_note(arms: dict) -> list[str]:
     """Arms whose reads ran on the reference op (info.json `reads_on_reference_op`): under bf16 autocast
     over fp32 weights, the package before 8964f81 gave the fused path sources of two dtypes."""
@@ -252,21 +249,14 @@ def reference_op_note(arms: dict) -> list[str]:
 
 def plan_section() -> list[str]:
     return [
-        "## Plan",
+        "## How the runs are made",
         "",
         "Each GPU command (at most 10 minutes, on a machine that is given back 30 seconds after the command ends, "
         "so an arm must finish in the command that starts it) runs `experiments/run_on_gpu.sh`: it rebuilds the "
         "corpus (deterministic), trains the arms it is given with `experiments/train_arms.py` through `mhar train` "
         "(pieces that continue with `--resume` where one machine runs several), and brings back the metrics, which "
         "are committed under `experiments/results/`. The mid-training chain (source, conversion, both continuations) "
-        "runs in one command.",
-        "",
-        f"1. From scratch: {', '.join(f'`{n}`' for n in FROM_SCRATCH)}, and the second seed "
-        f"{', '.join(f'`{b}`' for _, b in SEED_PAIRS)}; the first session measures plain and full H = 8 alone "
-        "(`--calibrate`) and fixes the token budget per arm for all later sessions (`results/budget.json`).",
-        f"2. Mid-training: {', '.join(f'`{n}`' for n in MIDTRAIN)}, at the same budget.",
-        f"3. Then the same arms at {TOKENS_PER_PARAMETER} tokens per non-embedding parameter or more, and the 100M "
-        "preset: early in training, gaps between residual schemes say little about where they end.",
+        "runs in one command. `experiments/README.md` has the commands.",
         "",
     ]
 
@@ -300,7 +290,9 @@ def write_page(results: Path, out: Path) -> str:
     shape = next((a["info"].get("shape") for a in arms.values() if a["info"].get("shape")), "small")
     params = non_embedding_parameters(SHAPES[shape])
     noise = seed_noise(arms)
-    corpus, budget = read_json(results / "corpus_stats.json"), read_json(results / "budget.json")
+    corpus = read_json(results / "corpus_stats.json")
+    finished = [arms[n]["tokens"] for n in FROM_SCRATCH if arms.get(n) and arms[n]["finished"]]
+    tokens = max(finished) if finished else None
     picture = out.with_name(out.stem + "_loss.png")
     plot(arms, picture)
     devices = sorted({a["info"].get("device", "?") for a in arms.values()})
@@ -333,21 +325,16 @@ def write_page(results: Path, out: Path) -> str:
             f"{corpus['val']['files']:,} files, {corpus['val']['tokens'] / 1e6:.2f}M tokens (the loss below is on "
             f"{recipe['val_sequences']} packed sequences of these held-out files); byte-level BPE of "
             f"{corpus['vocab_size']:,} tokens.")
-    if budget:
-        speeds = budget["calibration_tokens_per_s"]
-        lines.append(
-            f"- Budget: {budget['tokens_per_arm'] / 1e6:.1f}M tokens per from-scratch arm "
-            f"({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter), fitted by `--calibrate` to the GPU "
-            "time its session had left. "
-            f"Measured alone on {budget['device']}: plain {speeds['plain']:,.0f} tokens/s, full H = 8 "
-            f"{speeds['full-h8']:,.0f} tokens/s ({speeds['full-h8'] / speeds['plain']:.2f}x; `mhar train`, eager, no compile).")
+    if tokens:
+        lines.append(f"- Budget: {tokens / 1e6:.1f}M tokens per from-scratch arm ({tokens / params:.1f} tokens per "
+                     "non-embedding parameter).")
     parallel = sorted({n for a in arms.values() for n in at_once(a["info"])})
     lines += [
         "",
         "## From scratch",
         "",
         f"Final validation loss per arm. Arms trained {' or '.join(map(str, parallel))} at a time on one GPU, so "
-        "tokens/s and wall time are per arm under that sharing (the alone figures are in Setup); peak memory is "
+        "tokens/s and wall time are per arm under that sharing; peak memory is "
         "`torch.cuda.max_memory_allocated` of the arm's process.",
         "",
         *results_table(arms, FROM_SCRATCH + [b for _, b in SEED_PAIRS], "plain", noise, params),
@@ -360,7 +347,7 @@ def write_page(results: Path, out: Path) -> str:
         "",
         "## What these runs show",
         "",
-        *observations(arms, noise, params, budget),
+        *observations(arms, noise, params, tokens),
         "",
         "## The paper's directions, side by side",
         "",
@@ -391,11 +378,10 @@ def write_page(results: Path, out: Path) -> str:
     missing = [n for n in FROM_SCRATCH + [b for _, b in SEED_PAIRS] + MIDTRAIN if not (arms.get(n) and arms[n]["finished"])]
     lines += ["## Still to run", "", ("Every arm has run." if not missing else "Arms without a finished run: "
                                       + ", ".join(f"`{n}`" for n in missing) + ".")]
-    if budget and budget["tokens_per_arm"] < TOKENS_PER_PARAMETER * params:
-        lines += ["", f"The budget ({budget['tokens_per_arm'] / params:.1f} tokens per non-embedding parameter) is below the "
+    if tokens and tokens < TOKENS_PER_PARAMETER * params:
+        lines += ["", f"The budget ({tokens / params:.1f} tokens per non-embedding parameter) is below the "
                   f"{TOKENS_PER_PARAMETER} the comparison needs ({TOKENS_PER_PARAMETER * params / 1e6:.0f}M tokens per arm at "
-                  "this shape): at it the arms are early in training, so every arm has to run again at that budget "
-                  "before the comparison answers the question. " + rerun_estimate(budget, TOKENS_PER_PARAMETER * params)]
+                  "this shape): every arm has to run again at that budget before the comparison answers the question."]
     text = "\n".join(lines) + "\n"
     out.write_text(text)
     return text
