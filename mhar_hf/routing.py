@@ -151,7 +151,8 @@ def route(
     if kernels is not None:
         reason = kernels.unsupported_reason(sources, query, num_heads, null_source, residual)
         if reason is None:
-            return kernels.fused_route(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
+            fused = kernels.traced_route if torch.compiler.is_compiling() else kernels.fused_route
+            return fused(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
         _warn_once(f"{reason}; using the reference routing op for this call.")
     return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
 
@@ -171,13 +172,15 @@ def route_and_start(
     `route(more_sources, next_query, next_key_norm_weight, ..., prefix=prefix)` then folds in
     only the sources added. On the fused path both reads share one pass over the common sources
     in the forward and one in the site backward (full mode's attention and MLP reads); elsewhere
-    the prefix is None and the next read runs whole. Ungated reads only.
+    (also traced by torch.compile) the prefix is None and the next read runs whole. Ungated reads only.
     """
     kernels = _kernels_for(implementation, sources[0]) if sources else None
     if kernels is not None:
         reason = (kernels.unsupported_reason(sources, query, num_heads)
                   or kernels.unsupported_reason(sources, next_query, num_heads))
         if reason is None:
+            if torch.compiler.is_compiling():  # a traced read is one op: no pair (ops/routing/traced.py)
+                return kernels.traced_route(sources, query, key_norm_weight, num_heads, eps), None
             return kernels.fused_route_and_start(sources, query, key_norm_weight, next_query, next_key_norm_weight,
                                                  num_heads, eps)
         _warn_once(f"{reason}; using the reference routing op for this call.")
@@ -200,7 +203,8 @@ def route_group(
     if kernels is not None:
         reason = kernels.group_unsupported_reason(sources, reads, num_heads)
         if reason is None:
-            return kernels.fused_route_group(sources, reads, num_heads, eps)
+            fused = kernels.traced_route_group if torch.compiler.is_compiling() else kernels.fused_route_group
+            return fused(sources, reads, num_heads, eps)
         _warn_once(f"{reason}; using the reference routing op for this call.")
     return tuple(route_reference(sources, read.query, read.key_norm_weight, num_heads, eps, read.null_source, read.gate)
                  for read in reads)
@@ -214,10 +218,10 @@ def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tenso
     of once per read, and a read of sources marked in a chain costs the host the same however
     many sources it reads. Marking where the tensor is made (not at its first read) also keeps
     a layer recomputed under activation checkpointing identical to its first run. Elsewhere
-    (the reference path, no gradient) the tensor comes back unchanged.
+    (the reference path, no gradient, a graph torch.compile traces) the tensor comes back unchanged.
     """
-    if not (torch.is_grad_enabled() and source.requires_grad):
-        return source
+    if not (torch.is_grad_enabled() and source.requires_grad) or torch.compiler.is_compiling():
+        return source  # traced reads (torch.compile) need no marks
     kernels = _kernels_for(implementation, source)
     return kernels.track(source, after) if kernels is not None else source
 
@@ -225,10 +229,10 @@ def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tenso
 def _kernels_for(implementation: str, tensor: torch.Tensor):
     """The fused kernels module when `implementation` picks it for `tensor`, else None.
 
-    `auto` leaves the kernels out while torch.compile traces a read without autograd (compiled
-    decoding, e.g. `generate` with a static cache): the kernels run outside compiled graphs, so
-    each read would break the graph (and the step's CUDA graph) in two; the reference op is traced
-    into the graph instead and fused there. `fused` keeps the kernels, with those breaks."""
+    Traced by torch.compile, the kernels are custom ops in the graph (ops/routing/traced.py), no
+    graph break. `auto` still leaves them out while it traces a read without autograd (compiled
+    decoding, e.g. `generate` with a static cache): there the reference op is fused with the rest
+    of the step and captured in its CUDA graph, which a few tokens a step favour. `fused` keeps them."""
     choice = resolve_implementation(implementation)
     if choice == "auto" and torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return None

@@ -31,7 +31,9 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     tensors = (query,) if null_source is None else (query, null_source)
     if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
         return f"fused routing needs [{width}] routing vectors on {device} and heads dividing {width}"
-    if launch.padded_width(launch.tile(width, num_heads)) > MAX_TILE:
+    # traced (torch.compile), the tile is computed outside its cache, which Dynamo would warn of
+    tile = launch.tile.__wrapped__ if torch.compiler.is_compiling() else launch.tile
+    if launch.padded_width(tile(width, num_heads)) > MAX_TILE:
         return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
     return None
 
