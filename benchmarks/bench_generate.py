@@ -344,8 +344,8 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated (default {DEFAULTS['new_tokens']})")
     parser.add_argument("--repeats", type=int, default=2, help="timed generations per configuration, best kept")
     parser.add_argument("--routing", default="auto", choices=["auto", "fused", "reference"],
-                        help="MHAR's routing_implementation ('fused' under compiled decoding breaks the graph at "
-                        "every read)")
+                        help="MHAR's routing_implementation (under compiled decoding 'auto' traces the reference op, "
+                        "'fused' the kernels' custom ops)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tiny", action="store_true", help="each shape shrunk to a tiny model (a dry run)")
