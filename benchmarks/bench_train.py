@@ -56,7 +56,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf import routing
 from mhar_hf.convert import mhar_config_for
-from mhar_hf.ops.routing import fused_route, fused_route_and_start, fused_route_group, track
+from mhar_hf.ops.routing import fused_begin_group, fused_route, fused_route_and_start, fused_route_group, track
 from mhar_hf.ops.routing import launch
 from mhar_hf.train.compile import compile_regions
 from mhar_hf.train.optim import causal_lm_loss, fused_loss_head, model_loss
@@ -166,14 +166,18 @@ def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: b
 def record_routing_sites(model: MHARForCausalLM) -> list[tuple[int, str]]:
     """A list that the model's next forward fills with, per routing site, the number of sources
     (null source included) it reads and how: "whole", as the first ("begin") or second ("end")
-    read of a split pair (`route_and_start`), or as the first ("group") or a later ("ahead")
-    read of a group (`route_group`, delta mode). One-source reads return their source and are
-    left out."""
+    read of a split pair (`route_and_start`), as the first ("group") or a later ("ahead")
+    read of a group (`route_group`, delta mode), or as a two-phase read (block mode) that ends
+    with one newer source ("two-phase") or takes its begun sources alone ("two-phase-alone").
+    One-source reads return their source and are left out."""
     sites = []
 
     def hook(router, args, kwargs):
         n = len(args[0]) + router.gated
-        role = "begin" if kwargs.get("begin") is not None else "end" if kwargs.get("prefix") is not None else "whole"
+        prefix = kwargs.get("prefix")
+        role = "begin" if kwargs.get("begin") is not None else "end" if prefix is not None else "whole"
+        if isinstance(prefix, tuple):  # (mix, lse, begun sources)
+            role = "two-phase-alone" if prefix[2] == n else "two-phase"
         ahead = kwargs.get("ahead", ())
         if n > 1 and len(sites) < router_count:
             sites.extend([(n, "group" if ahead else role)] + [(n, "ahead")] * len(ahead))
@@ -193,6 +197,21 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
+TWO_PHASE = ("two-phase", "two-phase-alone")
+
+
+def begun_sources(n: int, role: str) -> int:
+    """The sources a two-phase read (block mode) begins over: all but its newest, or all."""
+    return n - (role == "two-phase")
+
+
+def starts_two_phase(sites: list[tuple[int, str]], i: int) -> bool:
+    """Whether two-phase site i is the first of its group: the reads of a block begin over the
+    same finished blocks, and the next block over one more."""
+    n, role = sites[i]
+    return i == 0 or sites[i - 1][1] not in TWO_PHASE or begun_sources(*sites[i - 1]) != begun_sources(n, role)
+
+
 def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tuple, heads: int,
                null=None, gate=None) -> list[torch.Tensor]:
     """The outputs of one training step's routing reads with the fused op, made as the model makes
@@ -203,7 +222,7 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
     mark's backward before those reads', so sources pair up (DepthSource) as in a step. Marked all
     at once, no two would."""
     gated = gate is not None
-    tracked, outs, prefix = [], [], None
+    tracked, outs, prefix, states = [], [], None, []
     for i, (n, role) in enumerate(sites):
         while len(tracked) < n - gated:
             tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
@@ -218,6 +237,13 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
             continue
         elif role == "ahead":
             continue  # its group's first read made it
+        elif role in TWO_PHASE:  # a block's first read begins every read of the block over its blocks
+            begun = begun_sources(n, role)
+            if starts_two_phase(sites, i):
+                count = 1 + sum(1 for _ in itertools.takewhile(
+                    lambda site: site[1] in TWO_PHASE and begun_sources(*site) == begun, sites[i + 1:]))
+                states = fused_begin_group(read[:begun], [Read(*first)] * count, heads, 1e-6)
+            out = fused_route(read, *first, heads, 1e-6, prefix=(*states.pop(0), begun))
         else:
             out = fused_route(read, *first, heads, 1e-6, null, gate)
         outs.append(out)
@@ -232,7 +258,10 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     written once in the forward, its sources and output gradient read once in the site backward
     and the output gradient once more per source it reads; a split pair reads the second read's
     sources once for both reads, and a group its sources once for all its reads, in each of the
-    two passes.
+    two passes. A two-phase read (block mode, docs/kernels.md) reads its group's blocks once for
+    the group in each pass; its state (in the sources' dtype) is written and read once, and its
+    gradient G written once and read by the group's site pass and by each block's source kernel;
+    its newer sources are read as a read's.
     Also the wall time of forward + backward alone, which the host's launch time can bound."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     table_sources = max(n for n, _ in sites) - gated
@@ -259,7 +288,17 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
         torch.autograd.grad(outs, sources + params, grads)
 
     fwd_units = bwd_units = 0  # in [tokens, width] bf16 tensors
-    for n, role in sites:
+    for i, (n, role) in enumerate(sites):
+        if role in TWO_PHASE:
+            begun = begun_sources(n, role)
+            newer = n - begun
+            blocks = begun if starts_two_phase(sites, i) else 0  # the group's first reads its blocks for all
+            # state written (and read and the output written, with newer sources); backward: the
+            # output gradient and newer sources in the end's site pass, G written, the output gradient
+            # per newer source, G in the group's site pass and per block in the source kernels
+            fwd_units += blocks + 1 + (2 + newer if newer else 0)
+            bwd_units += blocks + (2 + 2 * newer if newer else 0) + 1 + begun
+            continue
         sources_read = n - gated if role not in ("begin", "ahead") else 0  # a pair's or group's first reads them
         fwd_units += 1 + sources_read
         bwd_units += 1 + sources_read + (n - gated)

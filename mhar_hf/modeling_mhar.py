@@ -50,7 +50,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs, resolve_hidden_states_indices, selected_hidden_states
 
 from .configuration_mhar import MHARConfig
-from .routing import Read, route, route_and_start, route_group, track
+from .routing import Read, route, route_and_start, route_begin_group, route_group, track
 
 if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole_here, _whole)
     from torch.distributed.fsdp import FSDPModule
@@ -106,6 +106,9 @@ class BlockState(NamedTuple):
 
     blocks: tuple[torch.Tensor, ...]  # the embedding (block 0), then each finished block's sum
     partial: torch.Tensor  # the running sum of the block in progress (the embedding before layer 0)
+    # the fused path's two-phase reads (docs/kernels.md): the states of the block's reads still to
+    # end, begun over its finished blocks at its start, two tensors each (mix, lse), in read order
+    pending: tuple[torch.Tensor, ...] = ()
 
     @property
     def sources(self) -> tuple[torch.Tensor, ...]:
@@ -113,11 +116,15 @@ class BlockState(NamedTuple):
         return (*self.blocks, self.partial)
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        return self.sources
+        return (*self.sources, *self.pending)
 
     @classmethod
-    def from_flat(cls, tensors: Sequence[torch.Tensor]) -> "BlockState":
-        return cls(tuple(tensors[:-1]), tensors[-1])
+    def from_flat(cls, tensors: Sequence[torch.Tensor], num_blocks: int | None = None) -> "BlockState":
+        """`num_blocks`: how many of the tensors are finished blocks (the layer knows; None: all
+        but the last, no pending reads)."""
+        if num_blocks is None:
+            num_blocks = len(tensors) - 1
+        return cls(tuple(tensors[:num_blocks]), tensors[num_blocks], tuple(tensors[num_blocks + 1:]))
 
     @staticmethod
     def source_labels(count: int) -> list[str]:
@@ -321,10 +328,13 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
                 layer_idx + 1 < config.num_hidden_layers
             self.routing_implementation = config.routing_implementation
             # delta mode: the blocks this layer receives, the embedding and one per block ended before it
-            self.blocks_received = 1 + layer_idx // config.layers_per_block
+            # (block mode: the block sums, one per block started before it)
+            self.blocks_received = 1 + layer_idx // config.layers_per_block if self.residual_mode == "delta" \
+                else -(-layer_idx // config.layers_per_block)
         # delta mode, a layer that starts a block: (layer, router name) of the later reads of the
-        # blocks it completes, read together with its MLP read (MHARModel sets them). Names, not
-        # routers: PEFT's modules_to_save swaps a router for a wrapper after the model is built.
+        # blocks it completes, read together with its MLP read (MHARModel sets them); block mode:
+        # of the block's later reads, begun with its own (two-phase reads). Names, not routers:
+        # PEFT's modules_to_save swaps a router for a wrapper after the model is built.
         self.reads_ahead: tuple[tuple[nn.Module, str], ...] = ()
 
     def forward(
@@ -357,6 +367,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         `returned` the one it returns (see the module docstring)."""
         if self.residual_mode == "delta":  # a block's last layer returns one block entry more
             return DeltaState.from_flat(tensors, self.blocks_received + int(returned and self.ends_block))
+        if self.residual_mode == "block":  # a block's first layer returns one block sum more
+            return BlockState.from_flat(tensors, self.blocks_received + int(returned and self.starts_block))
         return RESIDUAL_STATES[self.residual_mode].from_flat(tensors)
 
     # Each sublayer adds delta mode's gated `read` to its input and its output to `residual` when
@@ -401,15 +413,32 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return hidden, FullState((*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1])))
 
     def _forward_block(self, state: BlockState, attend):
-        blocks, partial = state.blocks, state.partial
-        hidden = self.attn_router.read(state.sources) if self.attn_router is not None else partial
-        if self.starts_block:
-            blocks, running = (*blocks, partial), attend(hidden)
+        blocks, partial, pending = state.blocks, state.partial, state.pending
+        if self.starts_block:  # the running sum joins the blocks, which every read of this block takes
+            blocks, pending = (*blocks, partial), ()
+            if _whole_here(self.reads_ahead):  # on the fused path, the block's reads begin over them now
+                routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
+                routers += [getattr(layer, name) for layer, name in self.reads_ahead]
+                pending = _begin_block_reads(blocks, routers, self.routing_implementation)
+            hidden = partial
+            if self.attn_router is not None:  # its read takes the blocks alone
+                hidden, pending = self._block_read(self.attn_router, blocks, len(blocks), pending)
+            running = attend(hidden)
         else:
+            hidden, pending = self._block_read(self.attn_router, (*blocks, partial), len(blocks), pending)
             running = attend(hidden, residual=partial)
         running = self.depth_source(running, after=partial)
-        running_after_mlp = self.mlp_sublayer(self.mlp_router.read((*blocks, running)), residual=running)
-        return hidden, BlockState(blocks, self.depth_source(running_after_mlp, after=running))
+        mlp_input, pending = self._block_read(self.mlp_router, (*blocks, running), len(blocks), pending)
+        running_after_mlp = self.mlp_sublayer(mlp_input, residual=running)
+        return hidden, BlockState(blocks, self.depth_source(running_after_mlp, after=running), pending)
+
+    @staticmethod
+    def _block_read(router, sources, begun: int, pending):
+        """A block-mode read and the pending states left: it ends the first pending state (begun
+        over the first `begun` sources) when the block's reads were begun together, else reads."""
+        if not pending:
+            return router.read(sources), ()
+        return router.read(sources, prefix=(pending[0], pending[1], begun)), pending[2:]
 
     def _forward_delta(self, state: DeltaState, attend):
         blocks, ahead = state.blocks, state.reads_ahead
@@ -444,6 +473,28 @@ def _group_delta_reads(layers) -> None:
     for start, end in zip(starts, starts[1:]):
         later = [(layer, name) for layer in layers[start + 1:end] for name in ("attn_router", "mlp_router")]
         layers[start].reads_ahead = (*later, *([(layers[end], "attn_router")] if end < len(layers) else []))
+
+
+def _group_block_reads(layers) -> None:
+    """Block mode: every read of a block takes the block sums finished before it (and then the
+    block's running sum, which differs per read), so the block's first layer begins them together
+    (`_begin_block_reads`): it names the reads of the block's later layers."""
+    starts = [i for i, layer in enumerate(layers) if layer.starts_block] + [len(layers)]
+    for start, end in zip(starts, starts[1:]):
+        layers[start].reads_ahead = tuple((layer, name) for layer in layers[start + 1:end]
+                                          for name in ("attn_router", "mlp_router"))
+
+
+def _begin_block_reads(blocks, routers, implementation: str) -> tuple[torch.Tensor, ...]:
+    """Block mode's two-phase reads (`routing.route_begin_group`, docs/kernels.md): on the fused
+    path one pass over the finished `blocks` begins the read of each of `routers` (in the order
+    they read), and returns their states flat, (mix, lse) each, for `MHARDecoderLayer._block_read`
+    to end; elsewhere () and each router reads whole. The later routers' parameters are gathered
+    where FSDP2 holds them sharded (`_whole`)."""
+    first = routers[0]
+    reads = [Read(_whole(r.query, first.query), _whole(r.key_norm_weight, first.key_norm_weight)) for r in routers]
+    states = route_begin_group(blocks, reads, first.num_heads, first.eps, implementation)
+    return tuple(t for state in states for t in state) if states is not None else ()
 
 
 def _whole_here(reads_ahead) -> bool:
@@ -504,6 +555,8 @@ class MHARModel(MHARPreTrainedModel):
             self.final_router = MHARRouter(config, gated=False)
         if config.residual_mode == "delta":
             _group_delta_reads(self.layers)
+        if config.residual_mode == "block":
+            _group_block_reads(self.layers)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False

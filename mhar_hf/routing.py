@@ -210,6 +210,25 @@ def route_group(
                  for read in reads)
 
 
+def route_begin_group(
+    sources: Sequence[torch.Tensor],
+    reads: Sequence[Read],
+    num_heads: int,
+    eps: float,
+    implementation: str = "auto",
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Reads that each take `sources` and then newer ones, begun together (block mode's reads of
+    one block over its finished blocks; docs/kernels.md, two-phase reads). On the fused path one
+    launch over the sources gives each ungated `Read` its state (mix, lse), and `route(sources +
+    newer, query, key_norm_weight, ..., prefix=(mix, lse, len(sources)))` ends it, folding in only
+    the newer sources. Elsewhere (also traced by torch.compile, or a call the kernels do not
+    cover, which the reads themselves then report) None: each read runs whole."""
+    kernels = _kernels_for(implementation, sources[0]) if sources and not torch.compiler.is_compiling() else None
+    if kernels is None or kernels.unsupported_reason(sources, reads[0].query, num_heads) is not None:
+        return None
+    return kernels.fused_begin_group(sources, reads, num_heads, eps)
+
+
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:
     """Mark a tensor that routing reads will use, where it is made (a depth source); `after` is
     the depth source made just before it (None for the first).

@@ -73,6 +73,37 @@ def test_step_reads_group_reads_as_the_model_does(source_launches):
     assert len(outs) == len(sites) and source_launches == by_model
 
 
+def test_step_reads_make_two_phase_reads_as_the_model_does(monkeypatch):
+    """Block mode: each block's reads begun in one grouped launch over its finished blocks, then
+    ended one by one; the final read whole."""
+    config = tiny_config(residual_mode="block", routing_implementation="fused", num_hidden_layers=5)
+    model = MHARForCausalLM(config)
+    sites = record_routing_sites(model)
+    grouped = []
+    forward = kernels.route_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                grouped.append(kwargs["GROUPED"])
+                return forward[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernels, "route_fwd_kernel", Spy())
+    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
+    by_model, grouped[:] = list(grouped), []
+    # blocks of 3 layers: layer 0's MLP read to layer 2's, over the embedding; layer 3's attention
+    # read (the blocks alone) to layer 4's MLP read, over the embedding and the first block
+    assert sites == [(2, "two-phase")] * 5 + [(2, "two-phase-alone")] + [(3, "two-phase")] * 3 + [(3, "whole")]
+
+    width = config.hidden_size
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(3)]
+    first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
+    outs = step_reads(sites, sources, first, second, config.residual_heads)
+    torch.autograd.grad(outs, sources + [*first], [torch.randn_like(o) for o in outs])
+    assert len(outs) == len(sites) and grouped == by_model and grouped.count(True) == 2
+
+
 def test_sweep_field_times_each_value_and_restores_the_default(monkeypatch, capsys):
     import sweep_launch
 

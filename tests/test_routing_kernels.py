@@ -749,10 +749,14 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
     assert forward.launches == 1
 
 
-# (mode, forward launches, sources, split pairs, source pairs, grouped launches) of the 4-layer,
-# 2-block tiny model. full: every attention router but layer 0's, every MLP router and the final
-# one read; the embedding and every sublayer output are sources; layers 1-3 pair their attention
-# and MLP reads. block: the same reads, the embedding and the running sum after every sublayer.
+# (mode, forward launches, sources, split pairs, source pairs, grouped launches, two-phase ends)
+# of the 4-layer, 2-block tiny model. full: every attention router but layer 0's, every MLP router
+# and the final one read; the embedding and every sublayer output are sources; layers 1-3 pair
+# their attention and MLP reads. block: the same reads, the embedding and the running sum after
+# every sublayer; each block's reads begun in one grouped launch over its finished blocks (layer 0:
+# the embedding, for its MLP read and layer 1's reads; layer 2: the embedding and the first
+# block, for its own reads and layer 3's), each read but layer 2's attention read (which takes
+# the blocks alone) then ended by a launch that folds in its running sum; the final read whole.
 # delta: no final read; the two block deltas; its 7 reads in two groups, one per block (layer 0's
 # MLP read to layer 2's attention read, layer 2's MLP read to the end), a launch each way each.
 # Source pairs (a source's launch also sums the terms of the source made before it, from the
@@ -760,12 +764,12 @@ def test_dispatch_runs_the_kernels(spies, monkeypatch):
 # more): full mode, the attention outputs of layers 2, 1 and 0 with the MLP output of the layer
 # before (the embedding for layer 0), sharing 4, 6 and 8 reads; in delta mode the two deltas
 # share 3 reads, too few.
-MODEL_READS = [("full", 8, 9, 3, 3, 0), ("block", 8, 9, 0, 0, 0), ("delta", 2, 2, 0, 0, 2)]
+MODEL_READS = [("full", 8, 9, 3, 3, 0, 0), ("block", 9, 9, 0, 0, 2, 6), ("delta", 2, 2, 0, 0, 2, 0)]
 
 
-@pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs, groups", MODEL_READS)
+@pytest.mark.parametrize("mode, reads, sources, pairs, source_pairs, groups, ends", MODEL_READS)
 def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_from_out, mode, reads, sources, pairs,
-                                                                  source_pairs, groups):
+                                                                  source_pairs, groups, ends):
     from mhar_hf import MHARForCausalLM
 
     forward, site, source, totals = spies
@@ -774,12 +778,15 @@ def test_model_routes_every_multi_source_site_through_the_kernels(spies, total_f
     # each source gets its gradient from one launch, for all its reads: none was marked again
     assert (forward.launches, source.launches) == (reads, sources)
     # a pair: one forward pass begins the second read, one more ends it; one site pass serves both
-    assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs)
+    assert (forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (pairs, pairs + ends)
     assert (site.launches, site.count("HAS_SECOND"), totals.launches) == (reads - pairs, pairs, pairs)
     assert (source.count("HAS_PARTNER"), source.count("HAS_INIT")) == (source_pairs, source_pairs)
     assert (forward.count("GROUPED"), site.count("GROUPED")) == (groups, groups)
-    # an ungated read's site pass takes S from its output (the mix); a gated read's output is not
-    assert site.count("TOTAL_FROM_OUT") == (reads - pairs if total_from_out and mode != "delta" else 0)
+    assert site.count("HAS_LSE_GRAD") == (groups if mode == "block" else 0)  # two-phase reads' first phase
+    # an ungated read's site pass takes S from its output (the mix); a gated read's output is not;
+    # a two-phase read's end always does (its pass sees only the sources it adds)
+    whole = reads - pairs - groups - ends
+    assert site.count("TOTAL_FROM_OUT") == ends + (whole if total_from_out and mode != "delta" else 0)
 
 
 @pytest.mark.parametrize("keep_rstd", [True, False], ids=["rstd-kept", "rstd-summed"])
@@ -939,11 +946,14 @@ def test_kernels_compile_for_sm90():
         split = dict(HAS_NULL=False, HAS_GATE=False, STORE_STATS=True, HAS_GRAD_IN=False, HAS_SECOND=True,
                      HAS_INIT=True, HAS_PARTNER=True, GROUPED=False, TOTAL_FROM_OUT=True)
         grouped = dict(gated, GROUPED=True)
+        begun = dict(grouped, HAS_NULL=False, HAS_GATE=False, HAS_LSE_GRAD=True)  # two-phase reads' first phase
         shapes = ((1280, 8, 1, 1), (512, 1, 4, 8), (1536, 12, 2, 2), (36, 12, 1, 4))  # the last: d/H = 3
         every_kernel = (kernels.route_fwd_kernel, kernels.route_site_bwd_kernel, kernels.route_source_bwd_kernel,
-                        kernels.route_total_kernel, kernels.route_partials_kernel)
-        for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped), every_kernel):
-            kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total"}.get(kernel, "forward")
+                        kernels.route_total_kernel, kernels.route_partials_kernel, kernels.route_begun_grad_kernel)
+        for (width, heads, rows, warps), flags, kernel in itertools.product(shapes, (gated, split, grouped, begun),
+                                                                            every_kernel):
+            kind = {kernels.route_site_bwd_kernel: "site", kernels.route_total_kernel: "total",
+                    kernels.route_begun_grad_kernel: "total"}.get(kernel, "forward")
             blocks = launch.column_blocks(kind, launch.tile(width, heads), warps)
             compile_kernel(kernel, flags, width, heads, rows, warps, split=blocks)
         print("compiled")

@@ -9,7 +9,7 @@ docs/kernels.md explains the design. One reason to change per module, imported i
     depth_sources.py  marked depth sources and their one-launch gradients
     site.py           the site backward's launch and partial sums
     group.py          grouped reads of the same sources (delta mode)
-    reads.py          single and split reads
+    reads.py          single, split and two-phase reads
     traced.py         reads as custom ops, for graphs torch.compile traces
 """
 
@@ -17,8 +17,9 @@ from .coverage import group_unsupported_reason, unsupported_reason
 from .depth_sources import track
 from .group import fused_route_group
 from .launch import LaunchConfig, launch_config
-from .reads import fused_route, fused_route_and_start
+from .reads import fused_begin_group, fused_route, fused_route_and_start
 from .traced import traced_route, traced_route_group
 
-__all__ = ["LaunchConfig", "fused_route", "fused_route_and_start", "fused_route_group", "group_unsupported_reason",
-           "launch_config", "traced_route", "traced_route_group", "track", "unsupported_reason"]
+__all__ = ["LaunchConfig", "fused_begin_group", "fused_route", "fused_route_and_start", "fused_route_group",
+           "group_unsupported_reason", "launch_config", "traced_route", "traced_route_group", "track",
+           "unsupported_reason"]

@@ -16,10 +16,11 @@ ARGUMENT_TYPES = dict(
     num_reads="i32", first="i32", T="i32", programs="i32", rows="i32", eps="fp32",
     **dict.fromkeys(("src0_ptr", "src_ptr", "null_ptr", "q_ptr", "g_ptr", "gate_ptr", "residual_ptr", "out_ptr",
                      "dout_ptr", "dout0_ptr", "grad_in_ptr", "dsrc_ptr", "q2_ptr", "g2_ptr", "dout2_ptr", "partner_ptr",
-                     "dgate_ptr"), "*bf16"),
+                     "dgate_ptr", "grad_mix_ptr"), "*bf16"),
     **dict.fromkeys(("lse_ptr", "stat0_ptr", "total_ptr", "gq_ptr", "partial_ptr", "prefix_acc_ptr",
                      "prefix_stat_ptr", "lse2_ptr", "total2_ptr", "partner_acc_ptr", "partner_norm_ptr",
-                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr"), "*fp32"),
+                     "init_acc_ptr", "init_norm_ptr", "terms_ptr", "terms2_ptr", "partials_ptr", "lse_grad_ptr",
+                     "total_lse_ptr", "grad_lse_ptr"), "*fp32"),
 )
 
 
@@ -29,8 +30,8 @@ def compile_kernel(kernel, flags: dict, width: int, heads: int, rows: int, warps
     (the HAS_* constexprs, and IN_PLACE and PTX, by default as on a GPU; those it does not take
     are ignored), tile, launch shape and column blocks per head (launch.column_blocks)."""
     block_p, block_d = launch.current().partials_tile["read"]
-    constants = {"IN_PLACE": True, "PTX": True, **flags, **launch.tile(width, heads), "SPLIT": split, "BLOCK_T": rows,
-                 "STAGES": stages, "BLOCK_P": block_p, "BLOCK_D": block_d}
+    constants = {"IN_PLACE": True, "PTX": True, "HAS_LSE_GRAD": False, **flags, **launch.tile(width, heads),
+                 "SPLIT": split, "BLOCK_T": rows, "STAGES": stages, "BLOCK_P": block_p, "BLOCK_D": block_d}
     constexprs = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32),

@@ -62,9 +62,11 @@ def forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_s
     return outs, lse
 
 
-def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, grad_outs):
+def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, lse, grad_outs, lse_grad=None):
     """The site kernel of a group of reads, in one launch: every read's parameter gradients
-    (per read query, key-norm weight, then null source and gate where it has them) and records."""
+    (per read query, key-norm weight, then null source and gate where it has them) and records.
+    `lse_grad` (outputs.per_read [reads, T, H]): the gradients of the reads' lse, where the lse
+    is an output (the first phase of two-phase reads, `FusedBeginGroup`)."""
     first = sources[0]
     width, device = first.shape[-1], first.device
     tokens = first.numel() // width
@@ -82,9 +84,10 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     def arguments(partials):
         return (table, read_table, first, null, query, key_norm_weight, gate, lse, grad_outs[0], grad_outs[0], total,
                 gq, partials, terms, query, key_norm_weight, lse, grad_outs[0], total, terms,
-                len(sources), len(sources), count, tokens, eps)
+                lse_grad if lse_grad is not None else lse, len(sources), len(sources), count, tokens, eps)
 
-    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, IN_PLACE=launch.stores_in_place(setup, False), **flags,
+    constexprs = dict(HAS_SECOND=False, TOTAL_FROM_OUT=False, HAS_LSE_GRAD=lse_grad is not None,
+                      IN_PLACE=launch.stores_in_place(setup, False), **flags,
                       **setup)
     programs, partials = site.launch_site(arguments, constexprs, sources, rows, flags["HAS_GATE"], total, count)
     task = torch._C._current_graph_task_id()

@@ -49,6 +49,11 @@ output (gradient) from a read table, and the programs of one token block's reads
 side, so each source comes from memory once and from L2 for the other reads. Like the site
 kernel's, a grouped forward's programs loop over token blocks, doing a read's per-program work
 (its parameters, its null source's logit) once.
+Two-phase reads (block mode's reads of one block, docs/kernels.md) are a grouped forward over
+the block's finished blocks whose outputs are each read's state (normalised mix and lse), each
+ended by a forward from that state (HAS_INIT) over the read's newer sources. Backward: the end's
+site kernel (S from its output), then `route_begun_grad_kernel` gives the state's gradients, and
+the grouped site kernel takes them, the lse's lowering S (HAS_LSE_GRAD).
 Nothing is accumulated with atomics: partial sums are per program, and `route_partials_kernel`
 sums them in a fixed order.
 """
@@ -454,10 +459,10 @@ def _store_terms(terms_ptr, n, T, H: tl.constexpr, stat_offs, stat_mask, dots, p
 def route_site_bwd_kernel(
     table, reads, src0_ptr, null_ptr, q_ptr, g_ptr, gate_ptr, lse_ptr, dout_ptr, out_ptr,
     total_ptr, gq_ptr, partial_ptr, terms_ptr,
-    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr,
+    q2_ptr, g2_ptr, lse2_ptr, dout2_ptr, total2_ptr, terms2_ptr, lse_grad_ptr,
     num_sources, num_second, num_reads, T, eps,
     HAS_NULL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SECOND: tl.constexpr, GROUPED: tl.constexpr,
-    TOTAL_FROM_OUT: tl.constexpr,
+    TOTAL_FROM_OUT: tl.constexpr, HAS_LSE_GRAD: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
     H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
     IN_PLACE: tl.constexpr, PTX: tl.constexpr,
@@ -488,11 +493,17 @@ def route_site_bwd_kernel(
     gradient). Per read the lse, S, g*q and terms are blocks _read_stride apart; the partial
     sums are [reads, rows, programs, D], then the gates' [reads, programs].
 
+    HAS_LSE_GRAD: the read is the first phase of a two-phase read (block mode, docs/kernels.md):
+    its outputs are its normalised mix and its lse, and `lse_grad` (fp32 [T, H], per read in a
+    group) is the gradient of the lse. d lse / d logit_n = w_n, so it adds w_n * lse_grad to each
+    dlogit_n: S is lowered by it (S' = S - lse_grad, stored as the read's S for the source kernel).
+
     IN_PLACE: the terms and S are stored from the threads that hold them (_store_sums).
     Each source's rstd is loaded (the source table's, which the forwards wrote) instead of summed
     over the row, a cross-warp sum per source and read. With HAS_SECOND `table` is the second
     read's, whose first `num_sources` sources are this read's."""
     tl.static_assert(not (TOTAL_FROM_OUT and (HAS_GATE or GROUPED)), "a gated read's output is not its mix")
+    tl.static_assert(not (HAS_LSE_GRAD and TOTAL_FROM_OUT), "S' = S - lse_grad is summed in the loop")
     rows = 2 + HAS_NULL + 2 * HAS_SECOND  # parameter rows of partial sums
     if GROUPED:
         read, pid = tl.program_id(0) % num_reads, tl.program_id(0) // num_reads
@@ -501,6 +512,7 @@ def route_site_bwd_kernel(
                                                                 dout_ptr)
         lse_ptr += read * _read_stride(T * H)
         total_ptr += read * _read_stride(T * H)
+        lse_grad_ptr += read * _read_stride(T * H)
         gq_ptr += read * _read_stride(D + 1)
         terms_ptr += read.to(tl.int64) * _read_stride(num_sources * 2 * T * H)
         gate_partials = partial_ptr + tl.cast(num_reads, tl.int64) * rows * programs * D + read * programs
@@ -581,6 +593,8 @@ def route_site_bwd_kernel(
                 dlogit2_rstd = _per_head(w2 * (p2 - total2) * rstd[:, None])
                 dkey2_lo += tl.sum(dlogit2_rstd * x_lo, 0)
                 dkey2_hi += tl.sum(dlogit2_rstd * x_hi, 0)
+        if HAS_LSE_GRAD:  # dlogit_n = w_n (P_n - S + lse_grad): S' = S - lse_grad
+            total -= tl.load(lse_grad_ptr + stat_offs, mask=stat_mask, other=0.0)
         if HAS_NULL:  # what varies with the token: P, w, dlogit, and w dout (weight 0 in padded rows)
             p = _head_dots(dout_lo, dout_hi, null_lo, null_hi)
             w = _exp(null_logit - lse)
@@ -688,6 +702,39 @@ def route_total_kernel(
         _store_terms(terms_ptr, n, T, H, stat_offs, stat_mask, dots, _head_dots(dout_lo, dout_hi, x_lo, x_hi), False)
     if tl.program_id(0) == 0:
         _store_gq(gq_ptr, gq_lo, gq_hi, 1.0, *cols, D)
+
+
+@triton.jit
+def route_begun_grad_kernel(
+    dout_ptr, lse_ptr, total_lse_ptr, total_ptr, terms_ptr, table, grad_mix_ptr, grad_lse_ptr, num_sources, T,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr,
+    H_PAD: tl.constexpr, DH_LO: tl.constexpr, DH_HI: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, PTX: tl.constexpr,
+):
+    """The gradients of a begun read's state (two-phase reads, docs/kernels.md), run by its end's
+    backward after the end's site kernel: the state's mix gets a * dout, with a = exp(lse_state -
+    lse) the share of the read the state keeps, and its lse sum_n w_n (S - P_n) over the sources
+    the end added (minus their dlogits), from the terms and S that site kernel wrote and each added
+    source's rstd (entry (n, 1) of the end's source table)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
+    cols = (col_lo, mask_lo, col_hi, mask_hi)
+    row_offs = _per_token(tok).to(tl.int64) * D
+    in_range = _per_token(tok < T)
+    stat_offs = tok[:, None] * H + head[None, :]
+    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    total_lse = tl.load(total_lse_ptr + stat_offs, mask=stat_mask, other=0.0)
+    kept = _per_head(_exp(tl.load(lse_ptr + stat_offs, mask=stat_mask, other=0.0) - total_lse))
+    dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
+    _store_rows(grad_mix_ptr, row_offs, in_range, kept * dout_lo, kept * dout_hi, *cols)
+    total = tl.load(total_ptr + stat_offs, mask=stat_mask, other=0.0)
+    grad = tl.zeros([BLOCK_T, H_PAD], tl.float32)
+    for n in range(num_sources):
+        block = terms_ptr + tl.cast(n, tl.int64) * 2 * T * H
+        dots = tl.load(block + stat_offs, mask=stat_mask, other=0.0)
+        p = tl.load(block + T * H + stat_offs, mask=stat_mask, other=0.0)
+        rstd = tl.load(_address(table, n, lse_ptr, 2, 1) + tok, mask=tok < T, other=1.0)
+        grad += _exp(dots * rstd[:, None] - total_lse) * (total - p)
+    tl.store(grad_lse_ptr + stat_offs, grad, mask=stat_mask)
 
 
 @triton.jit
@@ -803,4 +850,4 @@ def route_source_bwd_kernel(
 
 # the kernels the fused path launches (ab_kernels.py and host_overhead.py swap them by name)
 ENTRY_POINTS = ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel", "route_total_kernel",
-                "route_partials_kernel")
+                "route_partials_kernel", "route_begun_grad_kernel")

@@ -1,5 +1,7 @@
-"""Single and split reads: `fused_route` (one read) and `fused_route_and_start` (a read that also
-begins the next one over the same sources, which `fused_route(..., prefix=)` ends).
+"""Single, split and two-phase reads: `fused_route` (one read), `fused_route_and_start` (a read
+that also begins the next one over the same sources, which `fused_route(..., prefix=)` ends), and
+`fused_begin_group` (block mode: reads of a block begun together over its finished blocks, each
+ended by `fused_route(..., prefix=(mix, lse, begun))`).
 
 `FusedRoute` is one read: its backward (the site kernel) computes the routing parameters'
 gradients and leaves its record with the sources it read (depth_sources.py). `FusedRoutePair` and
@@ -119,11 +121,12 @@ def _site_backward(sources, table, num_heads, eps, query, key_norm_weight, null_
         return (table, table, first, null_source if has_null else query, query, key_norm_weight,
                 gate if has_gate else query, lse, grad_out, out if out is not None else grad_out, total, gq, partials,
                 terms, q2, g2, *((later.lse, later.dout, later.total, later.terms) if second is not None
-                                 else (lse, grad_out, total, terms)),
+                                 else (lse, grad_out, total, terms)), lse,
                 num_sources, len(sources), 1, tokens, eps)
 
     constexprs = dict(HAS_NULL=has_null, HAS_GATE=has_gate, HAS_SECOND=second is not None, GROUPED=False,
-                      TOTAL_FROM_OUT=out is not None, IN_PLACE=launch.stores_in_place(setup, second is not None),
+                      TOTAL_FROM_OUT=out is not None, HAS_LSE_GRAD=False,
+                      IN_PLACE=launch.stores_in_place(setup, second is not None),
                       **setup)
     programs, partials = site.launch_site(arguments, constexprs, sources, rows, has_gate, total)
     record = ReadRecord(torch._C._current_graph_task_id(), grad_out, lse, total, gq, terms, eps)
@@ -259,6 +262,150 @@ class FusedRouteEnd(torch.autograd.Function):
         return (None,) * 9
 
 
+# Two-phase reads (block mode): the reads of one block all take the finished blocks, and each
+# then its own newer sources. Phase 1 (`fused_begin_group`) is one grouped pass over the finished
+# blocks that leaves each read's softmax state over them; phase 2 (`end_begun`, a read's own
+# call) folds its newer sources into that state with an online-softmax step. docs/kernels.md
+# derives the backward.
+
+class FusedBeginGroup(torch.autograd.Function):
+    """Phase 1: per read, the normalised mix of the sources (in their dtype and shape) and its
+    lse (fp32 [T, H]), from one forward launch (`group.forward_group`). Its backward takes the
+    gradients of both (from the reads' ends, `FusedEndBegun`) in one site launch, the lse's
+    gradient lowering each read's S (kernels.route_site_bwd_kernel, HAS_LSE_GRAD), and leaves
+    each read's record with the sources, as grouped reads do."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, sources, marks, newest, *params):
+        rstd, kept = source_rstd(sources, marks, eps)
+        sources, table = tables.with_table(sources, rstd)
+        reads = group._unflatten(params, (False, False))
+        mixes, lse = group.forward_group(sources, table, reads, num_heads, eps, store_stats=True, kept=kept)
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.rstd, ctx.marks = num_heads, eps, sources, rstd, marks
+        ctx.table = table
+        ctx.save_for_backward(lse, *params)
+        ctx.set_materialize_grads(False)
+        return (*mixes, *lse.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lse, *params = ctx.saved_tensors
+        reads = group._unflatten(params, (False, False))
+        count = len(reads)
+        first = ctx.sources[0]
+        grad_mixes = tables.aligned(g.to(first.dtype) if g is not None else torch.zeros_like(first)
+                                    for g in grads[:count])
+        lse_grad = None
+        if any(g is not None for g in grads[count:]):
+            lse_grad = outputs.per_read(count, lse.shape[1:], first.device)
+            for r, g in enumerate(grads[count:]):
+                if g is None:
+                    lse_grad[r].zero_()
+                else:
+                    lse_grad[r].copy_(g.reshape(lse_grad[r].shape))
+        per_read, records = group._site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse,
+                                                       grad_mixes, lse_grad)
+        for record in records:
+            leave(ctx.marks, record)
+        return None, None, None, None, None, *(g for read in per_read for g in read)
+
+
+class FusedEndBegun(torch.autograd.Function):
+    """Phase 2: a begun read's state (normalised mix and lse over its leading sources) with its
+    newer sources folded in (`read_forward` from that state). Its backward leaves the
+    read's record with the newer sources (S from its output, the mix) and gives the state its
+    gradients: the mix's a * dout, with a = exp(lse_state - lse) the weight the state keeps, and
+    the lse's a * (<dout, mix> - S) = -(the newer sources' dlogits) per head (docs/kernels.md),
+    so the state's mix is not kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, sources, marks, mix, lse, query, key_norm_weight, newest):
+        rstd, kept = source_rstd(sources, marks, eps)
+        sources, table = tables.with_table(sources, rstd)
+        out, total_lse, _ = read_forward(sources, table, query, key_norm_weight, None, None, None, num_heads, eps,
+                                         store_stats=True, kept=kept, init=_state(mix, lse))
+        ctx.num_heads, ctx.eps, ctx.sources, ctx.rstd, ctx.marks = num_heads, eps, sources, rstd, marks
+        ctx.table = table
+        ctx.mix_shape, ctx.mix_dtype = mix.shape, mix.dtype
+        ctx.save_for_backward(lse, query, key_norm_weight, total_lse, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, query, key_norm_weight, total_lse, out = ctx.saved_tensors
+        (grad_out,) = tables.aligned((grad_out,))
+        grads, record, _ = _site_backward(ctx.sources, ctx.table, ctx.num_heads, ctx.eps, query, key_norm_weight,
+                                          None, None, total_lse, grad_out, out)
+        leave(ctx.marks, record)
+        width = ctx.mix_shape[-1]
+        tokens = grad_out.numel() // width
+        setup = launch.kernel_args("total", width, ctx.num_heads)
+        grad_mix = outputs.empty(ctx.mix_shape, dtype=ctx.mix_dtype, device=grad_out.device)
+        grad_lse = outputs.empty(lse.shape, dtype=torch.float32, device=grad_out.device)
+        kernels.route_begun_grad_kernel[(triton.cdiv(tokens, setup["BLOCK_T"]),)](
+            grad_out, lse.contiguous(), total_lse, record.total, record.terms, ctx.table, grad_mix, grad_lse,
+            len(ctx.sources), tokens, **setup,
+        )
+        return None, None, None, None, grad_mix, grad_lse, grads[0], grads[1], None
+
+
+def _state(mix, lse):
+    """A begun read's state as the forward kernel starts from it (SoftmaxState): the mix
+    as its unnormalised sum, the lse as its max, and a sum of 1."""
+    tokens = lse.numel() // lse.shape[-1]
+    stat = torch.stack((lse.reshape(tokens, -1), torch.ones_like(lse).reshape(tokens, -1))).contiguous()
+    (mix,) = tables.aligned((mix,))
+    return SoftmaxState(mix, stat)
+
+
+@torch.compiler.disable
+def fused_begin_group(sources: Sequence[torch.Tensor], reads: Sequence[Read], num_heads: int,
+                      eps: float) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Phase 1 of two-phase reads: one launch over `sources` for every read (ungated `Read`s),
+    returning per read its state, (mix, lse): the normalised mix of the sources (their dtype and
+    shape; in fp32 inside, rounded once) and its lse (fp32, [..., H]). `end_begun` ends each
+    read. None for no sources."""
+    sources, reads = tuple(sources), [Read(*read) for read in reads]
+    if not sources:
+        return None
+    if any(read.null_source is not None or read.gate is not None for read in reads):
+        raise ValueError("two-phase reads are ungated and have no null source (block mode's reads)")
+    params = [t for read in reads for t in read[:2]]
+    shape = (*sources[0].shape[:-1], num_heads)
+    if needs_grad(*params, *sources):
+        sources, marks, newest = on_one_chain(sources)
+        states = FusedBeginGroup.apply(num_heads, eps, sources, marks, newest, *params)
+    else:
+        rstd, _ = source_rstd(sources, [], eps)
+        sources, table = tables.with_table(sources, rstd)
+        mixes, lse = group.forward_group(sources, table, reads, num_heads, eps, store_stats=True)
+        states = (*mixes, *lse.unbind(0))
+    count = len(reads)
+    return [(states[r], states[count + r].view(shape)) for r in range(count)]
+
+
+def end_begun(sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, num_heads: int,
+              eps: float, state: tuple) -> torch.Tensor:
+    """Phase 2: the read of `sources` whose first `begun` were read by `fused_begin_group`, given
+    `state` = (mix, lse, begun) from it: its newer sources (`sources[begun:]`) folded into the
+    state; with none, the state's mix is the read."""
+    mix, lse, begun = state
+    sources = tuple(sources)
+    if not 0 < begun <= len(sources) or mix.shape != sources[0].shape or lse.shape != (*mix.shape[:-1], num_heads):
+        raise ValueError(f"a begun read ends with the {begun} sources it began with (state {tuple(mix.shape)}, "
+                         f"lse {tuple(lse.shape)}, H={num_heads}), then its newer ones; got {len(sources)} sources "
+                         f"of shape {tuple(sources[0].shape)}")
+    added = sources[begun:]
+    if not added:
+        return mix
+    if needs_grad(query, key_norm_weight, mix, lse, *added):
+        added, marks, newest = on_one_chain(added)
+        return FusedEndBegun.apply(num_heads, eps, added, marks, mix, lse, query, key_norm_weight, newest)
+    added, table = tables.with_table(added)
+    return read_forward(added, table, query, key_norm_weight, None, None, None, num_heads, eps, store_stats=False,
+                        init=_state(mix, lse))[0]
+
+
 @torch.compiler.disable  # compiled models call the kernels eagerly between compiled regions
 def fused_route(
     sources: Sequence[torch.Tensor],
@@ -269,16 +416,21 @@ def fused_route(
     null_source: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    prefix: ReadPrefix | None = None,
+    prefix: ReadPrefix | tuple | None = None,
 ) -> torch.Tensor:
     """`route_reference` computed by the Triton kernels (same arguments, same result).
 
     Sources marked with `track` where they are made, each after the one made before it, get
     their gradient computed once, from all their reads; others are marked here, per call
     (correct, but one source kernel per read). `prefix` ends a read that
-    `fused_route_and_start` began over the leading sources."""
+    `fused_route_and_start` began over the leading sources, or, a tuple (mix, lse, begun), one
+    that `fused_begin_group` began over the first `begun` (`end_begun`)."""
     check_gated(gate, residual)
     sources = tuple(sources)
+    if isinstance(prefix, tuple):  # (mix, lse, begun): a read begun by fused_begin_group
+        if null_source is not None or gate is not None:
+            raise ValueError("two-phase reads are ungated and have no null source (block mode's reads)")
+        return end_begun(sources, query, key_norm_weight, num_heads, eps, prefix)
     if prefix is not None:
         prefix.check(sources, query, key_norm_weight, null_source, gate)
         prefix.ended = True

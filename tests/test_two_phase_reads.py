@@ -1,0 +1,353 @@
+"""Two-phase reads (block mode, issue 43): one grouped pass over the finished blocks begins every
+read of a block (`reads.fused_begin_group`), and each read then folds its own newer sources into
+that state (`fused_route(..., prefix=(mix, lse, begun))`). Against the specification
+`route_reference` in fp64, on the forward and every gradient, with every kernel output poisoned
+with NaN. On CPU the kernels run under the Triton interpreter (conftest), so shapes are tiny;
+with MHAR_TEST_GPU=1 the same tests run compiled, plus bf16 and fp16.
+"""
+
+import os
+
+import pytest
+import torch
+
+import mhar_hf.ops.routing as fused_ops
+from mhar_hf.ops.routing import fused_route, kernels, outputs, reads, track
+from mhar_hf.routing import Read, route_reference
+from mhar_hf.tiny import tiny_config
+
+EPS = 1e-6
+GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if GPU else [torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs():
+    """Every tensor the kernels write starts as NaN, so an element they skip fails the test."""
+    with outputs.allocating(lambda *a, **k: torch.full(*a, float("nan"), **k)):
+        yield
+
+
+class LaunchSpy:
+    """Wraps a kernel: records each launch's flags (the constexprs it sets True)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.flags = kernel, []
+
+    @property
+    def launches(self) -> int:
+        return len(self.flags)
+
+    def count(self, flag: str) -> int:
+        return sum(flag in flags for flags in self.flags)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.flags.append({k for k, v in kwargs.items() if v is True})
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Launch records of the forward, site and source kernels."""
+    counters = []
+    for name in ("route_fwd_kernel", "route_site_bwd_kernel", "route_source_bwd_kernel"):
+        counters.append(LaunchSpy(getattr(kernels, name)))
+        monkeypatch.setattr(kernels, name, counters[-1])
+    return counters
+
+
+def rel_rms(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def block_inputs(blocks, width, tokens, batch, newer, dtype):
+    """Finished blocks of varied scale, per read its newer sources (`newer[r]` of them) and its
+    own nonzero query and key-norm weight, and an output gradient per read."""
+    g = torch.Generator().manual_seed(blocks * 1000 + width + tokens)
+
+    def rows(scale=1.0):
+        return (torch.randn(batch, tokens, width, generator=g) * scale).to(DEVICE, dtype)
+
+    sources = [rows(0.5 + i) for i in range(blocks)]
+    added = [[rows(1.5) for _ in range(n)] for n in newer]
+    params = [((torch.randn(width, generator=g) * 4 / width**0.5).to(DEVICE, dtype),
+               (1 + 0.3 * torch.randn(width, generator=g)).to(DEVICE, dtype)) for _ in newer]
+    grad_outs = [rows() for _ in newer]
+    return sources, added, params, grad_outs
+
+
+def leaves(sources, added, params, dtype=None):
+    """Fresh leaves that need a gradient (in `dtype` when given)."""
+    def leaf(t):
+        return (t.to(dtype) if dtype is not None else t).detach().clone().requires_grad_()
+
+    return [leaf(s) for s in sources], [[leaf(s) for s in read] for read in added], \
+        [tuple(leaf(t) for t in read) for read in params]
+
+
+def two_phase(sources, added, params, heads, chain=True):
+    """The reads as block mode makes them: the blocks marked in a chain and the newer sources
+    after them (or, without `chain`, nothing marked: each read marks its own), one begin for all
+    reads, then each read's end."""
+    if chain:
+        marked = []
+        for s in sources:
+            marked.append(track(s, after=marked[-1] if marked else None))
+        sources, newest, later = marked, marked[-1], []
+        for read in added:
+            later.append([])
+            for s in read:
+                newest = track(s, after=newest)
+                later[-1].append(newest)
+        added = later
+    states = reads.fused_begin_group(sources, [Read(q, g) for q, g in params], heads, EPS)
+    return [fused_route((*sources, *more), q, g, heads, EPS, prefix=(*state, len(sources)))
+            for state, more, (q, g) in zip(states, added, params, strict=True)]
+
+
+def reference(sources, added, params, heads):
+    return [route_reference((*sources, *more), q, g, heads, EPS) for more, (q, g) in zip(added, params, strict=True)]
+
+
+def reads_and_grads(fn, sources, added, params, heads, grad_outs, dtype=None, **kwargs):
+    sources, added, params = leaves(sources, added, params, dtype)
+    outs = fn(sources, added, params, heads, **kwargs)
+    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, grad_outs, strict=True))
+    wrt = [*sources, *(s for read in added for s in read), *(t for read in params for t in read)]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)  # unused: a read of one source needs no query
+    return outs, [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt, strict=True)]
+
+
+def names(blocks, added, count):
+    return ([f"block {i}" for i in range(blocks)]
+            + [f"read {r} newer source {i}" for r, read in enumerate(added) for i in range(len(read))]
+            + [f"read {r} {leaf}" for r in range(count) for leaf in ("query", "key norm weight")])
+
+
+SHAPES = [  # (finished blocks, width, heads, tokens, batch, newer sources per read)
+    pytest.param(3, 64, 4, 37, 1, (0, 1, 1, 1), id="tokens-not-a-block-multiple"),
+    pytest.param(2, 320, 2, 9, 2, (0, 1, 2), id="head-width-160"),
+    pytest.param(2, 64, 1, 21, 1, (1, 1, 1), id="H=1"),
+    pytest.param(1, 36, 12, 13, 1, (1, 1, 1), id="one-finished-block-H=12"),  # the model's first block
+    pytest.param(1, 64, 4, 5, 1, (0, 1), id="one-finished-block-read-alone"),
+    pytest.param(4, 200, 2, 7, 3, (1,), id="one-read-head-width-100"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("blocks, width, heads, tokens, batch, newer", SHAPES)
+def test_two_phase_reads_and_every_gradient_match_fp64_reference(spies, blocks, width, heads, tokens, batch, newer,
+                                                                  dtype):
+    """Every read's output, and the gradients of the blocks, the newer sources and every read's
+    query and key-norm weight, against the reads one at a time in fp64; one grouped launch each
+    way for the blocks, and one launch each way per read that has newer sources."""
+    sources, added, params, grad_outs = block_inputs(blocks, width, tokens, batch, newer, dtype)
+    outs, grads = reads_and_grads(two_phase, sources, added, params, heads, grad_outs)
+    expected, expected_grads = reads_and_grads(reference, sources, added, params, heads, grad_outs, torch.float64)
+    for r, (out, ref) in enumerate(zip(outs, expected, strict=True)):
+        assert out.dtype == dtype and torch.isfinite(out).all(), f"read {r}"
+        assert rel_rms(out, ref) < TOLERANCE[dtype], f"read {r}"
+    for name, grad, ref in zip(names(blocks, added, len(newer)), grads, expected_grads, strict=True):
+        assert grad.dtype == dtype and grad.shape == ref.shape, name
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        if ref.abs().max() == 0:  # a read of one source: its weight is 1 whatever its query
+            assert grad.abs().max() < 1e-6, name
+        else:
+            assert rel_rms(grad, ref) < TOLERANCE[dtype], name
+    forward, site, _ = spies
+    ended = sum(1 for n in newer if n)
+    assert (forward.count("GROUPED"), site.count("GROUPED")) == (1, 1)
+    assert (forward.count("HAS_INIT"), forward.launches, site.launches) == (ended, 1 + ended, 1 + ended)
+    assert site.count("HAS_LSE_GRAD") == 1  # the blocks' site pass takes the states' lse gradients
+
+
+def test_sources_not_marked_in_a_chain():
+    """Reads of sources the caller did not mark: each read marks its own, correct all the same."""
+    sources, added, params, grad_outs = block_inputs(2, 64, 11, 1, (0, 1, 2), torch.float32)
+    _, grads = reads_and_grads(two_phase, sources, added, params, 4, grad_outs, chain=False)
+    _, expected = reads_and_grads(reference, sources, added, params, 4, grad_outs, torch.float64)
+    for name, grad, ref in zip(names(2, added, 3), grads, expected, strict=True):
+        assert rel_rms(grad, ref) < 1e-5, name
+
+
+def test_reads_whose_outputs_get_no_gradient():
+    """A read whose output the loss does not use gives its state no gradient (autograd passes
+    None): the others' gradients are still exact."""
+    sources, added, params, grad_outs = block_inputs(2, 64, 9, 1, (0, 1, 1), torch.float32)
+    grad_outs[1] = torch.zeros_like(grad_outs[1])
+
+    def first_and_last(fn):
+        def picked(*args, **kwargs):
+            outs = fn(*args, **kwargs)
+            return [outs[0], outs[2]]
+        return picked
+
+    _, grads = reads_and_grads(first_and_last(two_phase), sources, added, params, 4, grad_outs[::2])
+    _, expected = reads_and_grads(first_and_last(reference), sources, added, params, 4, grad_outs[::2], torch.float64)
+    for name, grad, ref in zip(names(2, added, 3), grads, expected, strict=True):
+        if ref.abs().max() == 0:
+            assert grad.abs().max() == 0, name
+        else:
+            assert rel_rms(grad, ref) < 1e-5, name
+
+
+def test_zero_finished_blocks_begin_nothing():
+    """With no finished blocks there is nothing to begin over: the reads run whole."""
+    assert reads.fused_begin_group([], [Read(torch.ones(8), torch.ones(8))], 2, EPS) is None
+
+
+def test_dispatch_begins_the_reads_on_the_fused_path_only():
+    """`routing.route_begin_group` begins the reads where the kernels run; elsewhere None (each read
+    then runs whole), and `route(..., prefix=)` ends a begun read."""
+    from mhar_hf.routing import route, route_begin_group
+
+    sources, added, params, _ = block_inputs(2, 64, 5, 1, (1,), torch.float32)
+    begun = [Read(*params[0])]
+    assert route_begin_group(sources, begun, 4, EPS, "reference") is None
+    assert route_begin_group([], begun, 4, EPS, "fused") is None
+    (state,) = route_begin_group(sources, begun, 4, EPS, "fused")
+    out = route((*sources, *added[0]), *params[0], 4, EPS, implementation="fused", prefix=(*state, 2))
+    assert rel_rms(out, route_reference((*sources, *added[0]), *params[0], 4, EPS)) < 1e-5
+
+
+def test_inference_matches_the_training_forward():
+    sources, added, params, _ = block_inputs(3, 64, 13, 2, (0, 1, 1), torch.float32)
+    with torch.no_grad():
+        inference = two_phase(sources, added, params, 4, chain=False)
+    training = two_phase(*leaves(sources, added, params), 4)
+    for a, b in zip(inference, training, strict=True):
+        assert torch.equal(a, b.detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:] if GPU else [torch.float32], ids=str)
+def test_repeated_backward_is_bitwise_identical(dtype):
+    sources, added, params, grad_outs = block_inputs(3, 64, 45, 2, (0, 1, 1, 1), dtype)
+    first = reads_and_grads(two_phase, sources, added, params, 4, grad_outs)[1]
+    second = reads_and_grads(two_phase, sources, added, params, 4, grad_outs)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_a_state_ends_with_the_sources_it_began_with():
+    sources, added, params, _ = block_inputs(2, 64, 5, 1, (1,), torch.float32)
+    (state,) = reads.fused_begin_group(sources, [Read(*params[0])], 4, EPS)
+    with pytest.raises(ValueError, match="begun read ends"):
+        fused_route(sources[:1], *params[0], 4, EPS, prefix=(*state, 2))
+    with pytest.raises(ValueError, match="begun read ends"):
+        fused_route((*sources, *added[0]), *params[0], 2, EPS, prefix=(*state, 2))  # another H
+    with pytest.raises(ValueError, match="ungated"):
+        reads.fused_begin_group(sources, [Read(*params[0], torch.zeros(64), torch.ones(1))], 4, EPS)
+
+
+# the whole model ---------------------------------------------------------------------------------
+
+def block_model(implementation, layers=5, seed=0):
+    """A tiny block-mode model (blocks of 3 layers: a block of 3 and one of 2) with nonzero
+    queries, so that every read weighs its sources unevenly."""
+    from mhar_hf import MHARForCausalLM
+
+    torch.manual_seed(seed)
+    model = MHARForCausalLM(tiny_config(residual_mode="block", routing_implementation=implementation,
+                                        num_hidden_layers=layers)).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(0, 0.5, generator=torch.Generator(DEVICE).manual_seed(len(name)))
+    return model
+
+
+def loss_and_grads(model, ids, checkpointing=None):
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=checkpointing))
+        model.train()
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "checkpointed-reentrant",
+                                                                     "checkpointed-non-reentrant"])
+def test_block_model_matches_the_fp64_reference_model(monkeypatch, checkpointing):
+    """The loss and every parameter's gradient of a block-mode model on the fused path (each
+    block's reads begun together) against the same model in fp64 with the reference op, with
+    and without activation checkpointing."""
+    begun = []
+    begin = reads.fused_begin_group
+    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: begun.append(len(reads)) or
+                        begin(sources, reads, *a))
+    model = block_model("fused")
+    reference = block_model("reference")
+    reference.load_state_dict(model.state_dict())
+    reference.double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    loss, grads = loss_and_grads(model, ids, checkpointing)
+    expected_loss, expected = loss_and_grads(reference, ids, checkpointing)
+    # layer 0 begins its MLP read and layers 1-2's reads; layer 3 its own two and layer 4's
+    assert begun[:2] == [5, 4] and len(begun) == (2 if checkpointing is None else 4)
+    assert abs(loss.item() - expected_loss.item()) < 1e-5
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected[name]) < 1e-4, name
+
+
+def test_block_model_backward_is_bitwise_identical():
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    first = loss_and_grads(block_model("fused"), ids)[1]
+    second = loss_and_grads(block_model("fused"), ids)[1]
+    assert all(torch.equal(grad, second[name]) for name, grad in first.items())
+
+
+def test_block_model_inference_matches_the_reference_model():
+    model, reference = block_model("fused"), block_model("reference")
+    ids = torch.randint(0, 384, (1, 6), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant, sizes_seen", [
+    ("sharded", [3, 2]),
+    ("checkpointed", [3, 2, 2, 3]),  # the backward recomputes each block's first layer, gathering again
+    ("layer-1-unsharded-early", [2]),
+])
+def test_fsdp2_sharded_block_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
+    """FSDP2 (as tests/test_fused_convergence.py shards delta mode): a block's first layer gathers
+    the later layers' routers and begins the block's reads together, with the same gradients as
+    unsharded (also under activation checkpointing); a layer unsharded early (as by prefetching)
+    frees its whole parameters before the group's backward: then its block's reads run whole."""
+    import copy
+
+    import torch.distributed as dist
+    from test_fused_convergence import batches, fused_gradients, randomised, shard, tiny_model
+
+    if DEVICE != "cpu":
+        pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
+    sizes = []
+    begin = reads.fused_begin_group
+    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: sizes.append(len(reads)) or
+                        begin(sources, reads, *a))
+    model = randomised(tiny_model("block", "fused")).train()
+    twin = copy.deepcopy(model)
+    tokens = next(batches(1))
+    expected = fused_gradients(twin, tokens)
+    assert sizes == [3, 2]  # blocks of 2 layers: layer 0's MLP read and layer 1's; layer 2's two reads
+    sizes.clear()
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable()
+    shard(model, 1, 0, tmp_path / "store")
+    try:
+        if variant == "layer-1-unsharded-early":
+            model.model.layers[1].unshard()
+        sharded = fused_gradients(model, tokens)
+        assert sizes == sizes_seen
+        for name, grad in expected.items():
+            torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
