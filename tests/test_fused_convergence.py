@@ -153,6 +153,27 @@ def group_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
+def assert_sharded_gradients_match(model, tokens, expected, sizes, sizes_seen, variant, store) -> None:
+    """`model` sharded with FSDP2 in one process (checkpointed, or layer 1 unsharded early, as
+    `variant` says) gives the gradients `expected` holds, its grouped launches (`sizes`, a spy's
+    list) reading `sizes_seen`."""
+    import torch.distributed as dist
+
+    sizes.clear()
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable()
+    shard(model, 1, 0, store)
+    try:
+        if variant == "layer-1-unsharded-early":
+            model.model.layers[1].unshard()
+        sharded = fused_gradients(model, tokens)
+        assert sizes == sizes_seen
+        for name, grad in expected.items():
+            torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 def shard(model, world: int, rank: int, store, **options) -> None:
     """`model` sharded with FSDP2 as the training config does it (each decoder layer a unit; `options`
     for fully_shard), in a gloo process group of `world` processes on CPU."""
@@ -176,8 +197,6 @@ def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, vari
     (also under activation checkpointing, the training recipe's setting). A layer unsharded early
     (as by prefetching) frees its whole parameters after its forward, before the group's backward
     would need them: then its routers read in its own forward."""
-    import torch.distributed as dist
-
     if DEVICE != "cpu":
         pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
     model = randomised(tiny_model("delta", "fused")).train()
@@ -186,19 +205,7 @@ def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, vari
     sizes = group_sizes(monkeypatch)
     expected = fused_gradients(twin, tokens)
     assert sizes == [4, 1]  # blocks of 2 layers: layer 0's MLP read to layer 2's attention read, then layer 2's MLP read
-    sizes.clear()
-    if variant == "checkpointed":
-        model.gradient_checkpointing_enable()
-    shard(model, 1, 0, tmp_path / "store")
-    try:
-        if variant == "layer-1-unsharded-early":
-            model.model.layers[1].unshard()
-        sharded = fused_gradients(model, tokens)
-        assert sizes == sizes_seen
-        for name, grad in expected.items():
-            torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
-    finally:
-        dist.destroy_process_group()
+    assert_sharded_gradients_match(model, tokens, expected, sizes, sizes_seen, variant, tmp_path / "store")
 
 
 def test_fsdp2_grouped_reads_take_the_compute_dtype(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import mhar_hf.ops.routing as fused_ops
 from mhar_hf.ops.routing import fused_route, kernels, outputs, reads, track
 from mhar_hf.routing import Read, route_reference
 from mhar_hf.tiny import tiny_config
+from test_routing_kernels import LaunchSpy
 
 EPS = 1e-6
 GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
@@ -29,26 +30,6 @@ def poisoned_outputs():
     with outputs.allocating(lambda *a, **k: torch.full(*a, float("nan"), **k)):
         yield
 
-
-class LaunchSpy:
-    """Wraps a kernel: records each launch's flags (the constexprs it sets True)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.flags = kernel, []
-
-    @property
-    def launches(self) -> int:
-        return len(self.flags)
-
-    def count(self, flag: str) -> int:
-        return sum(flag in flags for flags in self.flags)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.flags.append({k for k, v in kwargs.items() if v is True})
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
@@ -324,8 +305,7 @@ def test_fsdp2_sharded_block_model_matches_unsharded(tmp_path, monkeypatch, vari
     frees its whole parameters before the group's backward: then its block's reads run whole."""
     import copy
 
-    import torch.distributed as dist
-    from test_fused_convergence import batches, fused_gradients, randomised, shard, tiny_model
+    from test_fused_convergence import assert_sharded_gradients_match, batches, fused_gradients, randomised, tiny_model
 
     if DEVICE != "cpu":
         pytest.skip("the single-process FSDP2 check runs with gloo on CPU")
@@ -338,16 +318,4 @@ def test_fsdp2_sharded_block_model_matches_unsharded(tmp_path, monkeypatch, vari
     tokens = next(batches(1))
     expected = fused_gradients(twin, tokens)
     assert sizes == [3, 2]  # blocks of 2 layers: layer 0's MLP read and layer 1's; layer 2's two reads
-    sizes.clear()
-    if variant == "checkpointed":
-        model.gradient_checkpointing_enable()
-    shard(model, 1, 0, tmp_path / "store")
-    try:
-        if variant == "layer-1-unsharded-early":
-            model.model.layers[1].unshard()
-        sharded = fused_gradients(model, tokens)
-        assert sizes == sizes_seen
-        for name, grad in expected.items():
-            torch.testing.assert_close(sharded[name].full_tensor(), grad, rtol=1e-5, atol=1e-7, msg=name)
-    finally:
-        dist.destroy_process_group()
+    assert_sharded_gradients_match(model, tokens, expected, sizes, sizes_seen, variant, tmp_path / "store")
