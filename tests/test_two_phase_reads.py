@@ -6,33 +6,14 @@ with NaN. On CPU the kernels run under the Triton interpreter (conftest), so sha
 with MHAR_TEST_GPU=1 the same tests run compiled, plus bf16 and fp16.
 """
 
-import os
-
 import pytest
 import torch
 
 import mhar_hf.ops.routing as fused_ops
-from mhar_hf.ops.routing import fused_route, kernels, outputs, reads, track
+from mhar_hf.ops.routing import fused_route, kernels, reads, track
 from mhar_hf.routing import Read, route_reference
 from mhar_hf.tiny import tiny_config
-from test_routing_kernels import LaunchSpy
-
-EPS = 1e-6
-GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16] if GPU else [torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    """Every tensor the kernels write starts as NaN, so an element they skip fails the test."""
-    with outputs.allocating(lambda *a, **k: torch.full(*a, float("nan"), **k)):
-        yield
-
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
+from test_routing_kernels import DEVICE, DTYPES, EPS, GPU, TOLERANCE, LaunchSpy, poisoned_outputs  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture
