@@ -391,9 +391,10 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
 
     def depth_source(self, tensor: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """A tensor routing sites will read, marked where it is made, after the depth source made
-        before it (see `routing.track`), in that source's dtype: under autocast a sublayer's output
-        comes in the autocast dtype while the embedding keeps the weights' (fp32 history, as
-        Llama's residual stream is fp32 there), and a read's sources share one dtype."""
+        before it (see `routing.track`), in that source's dtype: a read's sources share one. Under
+        autocast a sublayer's output comes in the autocast dtype; block and delta sources are sums
+        that stay in the weights' dtype (as Llama's residual stream does), full mode's history is
+        in the autocast dtype from the embedding on (`MHARModel.initial_state`)."""
         return track(tensor.to(after.dtype), self.routing_implementation, after)
 
     # Each mode's step takes the layer's residual state and returns (its hidden state, the next state).
@@ -565,7 +566,11 @@ class MHARModel(MHARPreTrainedModel):
     def initial_state(self, embeddings: torch.Tensor):
         """The residual state before layer 0 (see the module docstring)."""
         mode = self.config.residual_mode
-        if mode == "full":
+        if mode == "full":  # every later source is one sublayer output, made in autocast's dtype when it is on:
+            # the embedding joins them there, so each read moves half the bytes of an fp32 history
+            device = embeddings.device.type
+            if torch.is_autocast_enabled(device):
+                embeddings = embeddings.to(torch.get_autocast_dtype(device))
             return FullState(sources=(track(embeddings, self.config.routing_implementation),))
         if mode == "block":
             return BlockState(blocks=(), partial=track(embeddings, self.config.routing_implementation))

@@ -203,6 +203,23 @@ def test_full_mode_source_counts():
     assert "model.layers.0.attn_router" not in counts
 
 
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_under_autocast_only_full_modes_history_takes_the_autocast_dtype(mode):
+    """fp32 weights under bf16 autocast: full mode's sources are single sublayer outputs, made in
+    bf16, and the embedding joins them in bf16 (half the bytes a read moves); block and delta
+    sources are sums and stay fp32, as the plain model's residual stream does."""
+    model = build(mode, num_hidden_layers=4)
+    dtypes, handles = set(), []
+    for module in model.modules():
+        if isinstance(module, MHARRouter):
+            handles.append(module.register_forward_pre_hook(lambda m, args: dtypes.update(s.dtype for s in args[0])))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids())
+    for handle in handles:
+        handle.remove()
+    assert dtypes == {torch.bfloat16 if mode == "full" else torch.float32}
+
+
 def test_block_mode_snapshots_at_every_third_layer():
     model = build("block", num_hidden_layers=13, residual_block_layers=3)
     starts = [i for i, layer in enumerate(model.model.layers) if layer.starts_block]
