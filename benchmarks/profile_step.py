@@ -10,7 +10,8 @@ a faster kernel can still win; the last table sums both models' GPU time by kern
 (routing, compiled, matmul, attention, ...), whose differences say where MHAR's step spends time
 outside the routing kernels. `--graph` captures each step in one CUDA graph, as the
 benchmark's "+graph" paths run it, so that GPU busy against the step time is the idle time left
-inside the graph. `--host N` adds the N Python functions that take the most host
+inside the graph; without it, a step longer than its GPU time waited for the host
+(`--micro-batch 4 2048`: 8k tokens a step, the size at which the two models' host time is compared). `--host N` adds the N Python functions that take the most host
 time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
 one and the backward node that launched it: what the GPU waited for; and the routing kernels'
@@ -188,8 +189,10 @@ def main():
     parser.add_argument("--host", type=int, default=0, help="also print the N functions with the most host time")
     parser.add_argument("--trace", type=Path, help="write the MHAR model's profiler trace (Chrome JSON) here")
     parser.add_argument("--graph", action="store_true", help="profile each step captured in a CUDA graph")
+    parser.add_argument("--micro-batch", type=int, nargs=2, metavar=("BATCH", "SEQ"),
+                        help="sequences and their length (default: the preset's in bench_train.py's graph protocol)")
     args = parser.parse_args()
-    batch, seq = MICRO_BATCH[args.preset]
+    batch, seq = args.micro_batch or MICRO_BATCH[args.preset]
     torch._dynamo.config.recompile_limit = 256  # one compiled graph per layer
     families = {}
     began = utc_now()
