@@ -11,8 +11,9 @@ a faster kernel can still win; the last table sums both models' GPU time by kern
 outside the routing kernels. `--graph` captures each step in one CUDA graph, as the
 benchmark's "+graph" paths run it, so that GPU busy against the step time is the idle time left
 inside the graph; without it, a step longer than its GPU time waited for the host
-(`--micro-batch 4 2048`: 8k tokens a step, the size at which the two models' host time is compared). `--host N` adds the N Python functions that take the most host
-time in a step (cProfile) and counts the calls that made the host wait for the GPU. `--trace`
+(`--micro-batch 4 2048`: 8k tokens a step, the size at which the two models' host time is
+compared). `--host N` adds the N Python functions that take the most host time in a step
+(cProfile) and counts the calls that made the host wait for the GPU. `--trace`
 writes the MHAR step's Chrome trace and sums the GPU's idle gaps by the kernel that ends each
 one and the backward node that launched it: what the GPU waited for; and the routing kernels'
 time by launch (kernel, registers, grid, block), which tells a kernel's variants apart. Each
