@@ -50,7 +50,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs, resolve_hidden_states_indices, selected_hidden_states
 
 from .configuration_mhar import MHARConfig
-from .routing import Read, route, route_and_start, route_begin_group, route_group, track
+from .routing import Read, full_group_layers, route, route_and_start, route_begin_group, route_group, track
 
 if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole_here, _whole)
     from torch.distributed.fsdp import FSDPModule
@@ -87,13 +87,20 @@ class FullState(NamedTuple):
     """full mode: every depth source so far, in the order made."""
 
     sources: tuple[torch.Tensor, ...]  # the embedding, then each layer's attention and MLP outputs
+    # the fused path's two-phase reads (docs/kernels.md): the states of the layer group's reads still
+    # to end, begun over the sources made before the group, two tensors each (mix, lse), in read order
+    pending: tuple[torch.Tensor, ...] = ()
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        return self.sources
+        return (*self.sources, *self.pending)
 
     @classmethod
-    def from_flat(cls, tensors: Sequence[torch.Tensor]) -> "FullState":
-        return cls(tuple(tensors))
+    def from_flat(cls, tensors: Sequence[torch.Tensor], num_sources: int | None = None) -> "FullState":
+        """`num_sources`: how many of the tensors are sources (the layer knows; None: all, no
+        pending reads)."""
+        if num_sources is None:
+            num_sources = len(tensors)
+        return cls(tuple(tensors[:num_sources]), tuple(tensors[num_sources:]))
 
     @staticmethod
     def source_labels(count: int) -> list[str]:
@@ -331,11 +338,15 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             # (block mode: the block sums, one per block started before it)
             self.blocks_received = 1 + layer_idx // config.layers_per_block if self.residual_mode == "delta" \
                 else -(-layer_idx // config.layers_per_block)
+            self.layer_idx = layer_idx
         # delta mode, a layer that starts a block: (layer, router name) of the later reads of the
         # blocks it completes, read together with its MLP read (MHARModel sets them); block mode:
         # of the block's later reads, begun with its own (two-phase reads). Names, not routers:
         # PEFT's modules_to_save swaps a router for a wrapper after the model is built.
         self.reads_ahead: tuple[tuple[nn.Module, str], ...] = ()
+        # full mode: the layers after this one (MHARModel sets them), whose reads a group of layers
+        # starting here begins with its own; the group's size is a launch knob, read per forward
+        self.later_layers: tuple[nn.Module, ...] = ()
 
     def forward(
         self,
@@ -369,6 +380,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             return DeltaState.from_flat(tensors, self.blocks_received + int(returned and self.ends_block))
         if self.residual_mode == "block":  # a block's first layer returns one block sum more
             return BlockState.from_flat(tensors, self.blocks_received + int(returned and self.starts_block))
+        if self.residual_mode == "full":  # the embedding and two sources per layer before this one (and it)
+            return FullState.from_flat(tensors, 1 + 2 * (self.layer_idx + int(returned)))
         return RESIDUAL_STATES[self.residual_mode].from_flat(tensors)
 
     # Each sublayer adds delta mode's gated `read` to its input and its output to `residual` when
@@ -403,15 +416,32 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         return state.stream, StandardState(self.mlp_sublayer(stream, residual=stream))
 
     def _forward_full(self, state: FullState, attend):
-        sources = state.sources
-        # the MLP read takes the attention read's sources and one more: one pass serves both
+        sources, pending = state.sources, state.pending
+        group = full_group_layers()
+        # a group's first layer: on the fused path, the group's reads begin over the sources so far
+        # (two-phase reads, as a block's in block mode); a group of one layer runs as a split pair
+        ahead = tuple((layer, name) for layer in self.later_layers[:group - 1] for name in ("attn_router", "mlp_router"))
+        if self.layer_idx % group == 0 and ahead and _whole_here(ahead):
+            routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
+            routers += [getattr(layer, name) for layer, name in ahead]
+            pending = _begin_reads(sources, routers, self.routing_implementation)
+        if not pending:  # split pairs: the MLP read takes the attention read's sources and one more
+            # (one pass serves both)
+            if self.attn_router is not None:
+                hidden, prefix = self.attn_router.read_and_start(sources, begin=self.mlp_router)
+            else:
+                hidden, prefix = sources[0], None
+            sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
+            mlp_input = self.mlp_router.read(sources, prefix=prefix)
+            return hidden, FullState((*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1])))
+        begun = 1 + 2 * (self.layer_idx - self.layer_idx % group)  # the sources made before the group
+        hidden = sources[0]
         if self.attn_router is not None:
-            hidden, prefix = self.attn_router.read_and_start(sources, begin=self.mlp_router)
-        else:
-            hidden, prefix = sources[0], None
+            hidden, pending = self._begun_read(self.attn_router, sources, begun, pending)
         sources = (*sources, self.depth_source(attend(hidden), after=sources[-1]))
-        mlp_input = self.mlp_router.read(sources, prefix=prefix)
-        return hidden, FullState((*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1])))
+        mlp_input, pending = self._begun_read(self.mlp_router, sources, begun, pending)
+        sources = (*sources, self.depth_source(self.mlp_sublayer(mlp_input), after=sources[-1]))
+        return hidden, FullState(sources, pending)
 
     def _forward_block(self, state: BlockState, attend):
         blocks, partial, pending = state.blocks, state.partial, state.pending
@@ -420,23 +450,23 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
             if _whole_here(self.reads_ahead):  # on the fused path, the block's reads begin over them now
                 routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
                 routers += [getattr(layer, name) for layer, name in self.reads_ahead]
-                pending = _begin_block_reads(blocks, routers, self.routing_implementation)
+                pending = _begin_reads(blocks, routers, self.routing_implementation)
             hidden = partial
             if self.attn_router is not None:  # its read takes the blocks alone
-                hidden, pending = self._block_read(self.attn_router, blocks, len(blocks), pending)
+                hidden, pending = self._begun_read(self.attn_router, blocks, len(blocks), pending)
             running = attend(hidden)
         else:
-            hidden, pending = self._block_read(self.attn_router, (*blocks, partial), len(blocks), pending)
+            hidden, pending = self._begun_read(self.attn_router, (*blocks, partial), len(blocks), pending)
             running = attend(hidden, residual=partial)
         running = self.depth_source(running, after=partial)
-        mlp_input, pending = self._block_read(self.mlp_router, (*blocks, running), len(blocks), pending)
+        mlp_input, pending = self._begun_read(self.mlp_router, (*blocks, running), len(blocks), pending)
         running_after_mlp = self.mlp_sublayer(mlp_input, residual=running)
         return hidden, BlockState(blocks, self.depth_source(running_after_mlp, after=running), pending)
 
     @staticmethod
-    def _block_read(router, sources, begun: int, pending):
-        """A block-mode read and the pending states left: it ends the first pending state (begun
-        over the first `begun` sources) when the block's reads were begun together, else reads."""
+    def _begun_read(router, sources, begun: int, pending):
+        """A read and the pending states left: it ends the first pending state (begun over the
+        first `begun` sources) when its group's reads were begun together, else reads whole."""
         if not pending:
             return router.read(sources), ()
         return router.read(sources, prefix=(pending[0], pending[1], begun)), pending[2:]
@@ -479,31 +509,32 @@ def _group_delta_reads(layers) -> None:
 def _group_block_reads(layers) -> None:
     """Block mode: every read of a block takes the block sums finished before it (and then the
     block's running sum, which differs per read), so the block's first layer begins them together
-    (`_begin_block_reads`): it names the reads of the block's later layers."""
+    (`_begin_reads`): it names the reads of the block's later layers."""
     starts = [i for i, layer in enumerate(layers) if layer.starts_block] + [len(layers)]
     for start, end in zip(starts, starts[1:]):
         layers[start].reads_ahead = tuple((layer, name) for layer in layers[start + 1:end]
                                           for name in ("attn_router", "mlp_router"))
 
 
-def _begin_block_reads(blocks, routers, implementation: str) -> tuple[torch.Tensor, ...]:
-    """Block mode's two-phase reads (`routing.route_begin_group`, docs/kernels.md): on the fused
-    path one pass over the finished `blocks` begins the read of each of `routers` (in the order
-    they read), and returns their states flat, (mix, lse) each, for `MHARDecoderLayer._block_read`
-    to end; elsewhere () and each router reads whole. The later routers' parameters are gathered
-    where FSDP2 holds them sharded (`_whole`)."""
+def _begin_reads(sources, routers, implementation: str) -> tuple[torch.Tensor, ...]:
+    """Two-phase reads (`routing.route_begin_group`, docs/kernels.md; block mode's over a block's
+    finished blocks, full mode's over the sources made before a group of layers): on the fused
+    path one pass over `sources` begins the read of each of `routers` (in the order they read),
+    and returns their states flat, (mix, lse) each, for `MHARDecoderLayer._begun_read` to end;
+    elsewhere () and each router reads whole. The later routers' parameters are gathered where
+    FSDP2 holds them sharded (`_whole`)."""
     first = routers[0]
     reads = [Read(_whole(r.query, first.query), _whole(r.key_norm_weight, first.key_norm_weight)) for r in routers]
-    states = route_begin_group(blocks, reads, first.num_heads, first.eps, implementation)
+    states = route_begin_group(sources, reads, first.num_heads, first.eps, implementation)
     return tuple(t for state in states for t in state) if states is not None else ()
 
 
 def _whole_here(reads_ahead) -> bool:
-    """Whether a block's first layer can compute the reads of these (layer, router name) now.
-    FSDP2 keeps a layer's parameters sharded (DTensors) outside its own forward: those routers'
-    are gathered for the group (`_whole`). But a layer it has unsharded early (prefetched) frees
-    its whole parameters again after its forward, before the group's backward needs them: then
-    each router reads in its own layer."""
+    """Whether a group's first layer (a block's, or a full-mode group of layers') can compute the
+    reads of these (layer, router name) now. FSDP2 keeps a layer's parameters sharded (DTensors)
+    outside its own forward: those routers' are gathered for the group (`_whole`). But a layer it
+    has unsharded early (prefetched) frees its whole parameters again after its forward, before
+    the group's backward needs them: then each router reads in its own layer."""
     if FSDPModule is None:
         return True
     for layer, name in reads_ahead:
@@ -558,6 +589,9 @@ class MHARModel(MHARPreTrainedModel):
             _group_delta_reads(self.layers)
         if config.residual_mode == "block":
             _group_block_reads(self.layers)
+        if config.residual_mode == "full":
+            for i, layer in enumerate(self.layers):
+                layer.later_layers = tuple(self.layers[i + 1:])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False

@@ -218,7 +218,8 @@ def route_begin_group(
     implementation: str = "auto",
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Reads that each take `sources` and then newer ones, begun together (block mode's reads of
-    one block over its finished blocks; docs/kernels.md, two-phase reads). On the fused path one
+    one block over its finished blocks, full mode's reads of a group of layers over the sources made
+    before it; docs/kernels.md, two-phase reads). On the fused path one
     launch over the sources gives each ungated `Read` its state (mix, lse), and `route(sources +
     newer, query, key_norm_weight, ..., prefix=(mix, lse, len(sources)))` ends it, folding in only
     the newer sources. Elsewhere (also traced by torch.compile, or a call the kernels do not
@@ -227,6 +228,13 @@ def route_begin_group(
     if kernels is None or kernels.unsupported_reason(sources, reads[0].query, num_heads) is not None:
         return None
     return kernels.fused_begin_group(sources, reads, num_heads, eps)
+
+
+def full_group_layers() -> int:
+    """Full mode's layers per group of two-phase reads, the fused path's knob
+    `LaunchConfig.full_group_layers` (docs/kernels.md); 1 (split pairs) without the kernels."""
+    kernels = _fused_kernels(required=False)
+    return kernels.launch.current().full_group_layers if kernels is not None else 1
 
 
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Two-phase reads (block mode, issue 43): one grouped pass over the finished blocks begins every
-read of a block (`reads.fused_begin_group`), and each read then folds its own newer sources into
-that state (`fused_route(..., prefix=(mix, lse, begun))`). Against the specification
+"""Two-phase reads (issue 43): one grouped pass over the sources that a group of reads shares begins
+them all (`reads.fused_begin_group`; block mode: a block's reads over its finished blocks, full
+mode: a group of layers' reads over the sources made before it), and each read then folds its own
+newer sources into that state (`fused_route(..., prefix=(mix, lse, begun))`). Against the specification
 `route_reference` in fp64, on the forward and every gradient, with every kernel output poisoned
 with NaN. On CPU the kernels run under the Triton interpreter (conftest), so shapes are tiny;
 with MHAR_TEST_GPU=1 the same tests run compiled, plus bf16 and fp16.
@@ -13,7 +14,8 @@ import mhar_hf.ops.routing as fused_ops
 from mhar_hf.ops.routing import fused_route, kernels, reads, track
 from mhar_hf.routing import Read, route_reference
 from mhar_hf.tiny import tiny_config
-from test_routing_kernels import DEVICE, DTYPES, EPS, GPU, TOLERANCE, LaunchSpy, poisoned_outputs  # noqa: F401 (autouse fixture)
+from test_routing_kernels import (DEVICE, DTYPES, EPS, GPU, TOLERANCE, LaunchSpy, configured,  # noqa: F401 (fixtures)
+                                  poisoned_outputs)
 
 
 @pytest.fixture
@@ -102,6 +104,10 @@ SHAPES = [  # (finished blocks, width, heads, tokens, batch, newer sources per r
     pytest.param(1, 36, 12, 13, 1, (1, 1, 1), id="one-finished-block-H=12"),  # the model's first block
     pytest.param(1, 64, 4, 5, 1, (0, 1), id="one-finished-block-read-alone"),
     pytest.param(4, 200, 2, 7, 3, (1,), id="one-read-head-width-100"),
+    # full mode: a group of 3 layers after layer 0 (its first read takes the sources alone, the
+    # others 1 to 5 newer ones), and layer 0's group of 2 over the embedding alone
+    pytest.param(3, 64, 4, 19, 1, (0, 1, 2, 3, 4, 5), id="full-mode-group-of-3"),
+    pytest.param(1, 320, 2, 9, 2, (1, 2, 3), id="full-mode-layer-0-group-head-width-160"),
 ]
 
 
@@ -211,13 +217,13 @@ def test_a_state_ends_with_the_sources_it_began_with():
 
 # the whole model ---------------------------------------------------------------------------------
 
-def block_model(implementation, layers=5, seed=0):
-    """A tiny block-mode model (blocks of 3 layers: a block of 3 and one of 2) with nonzero
-    queries, so that every read weighs its sources unevenly."""
+def block_model(implementation, layers=5, seed=0, mode="block"):
+    """A tiny block-mode model (blocks of 3 layers: a block of 3 and one of 2), or one of another
+    `mode`, with nonzero queries, so that every read weighs its sources unevenly."""
     from mhar_hf import MHARForCausalLM
 
     torch.manual_seed(seed)
-    model = MHARForCausalLM(tiny_config(residual_mode="block", routing_implementation=implementation,
+    model = MHARForCausalLM(tiny_config(residual_mode=mode, routing_implementation=implementation,
                                         num_hidden_layers=layers)).to(DEVICE)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -274,16 +280,20 @@ def test_block_model_inference_matches_the_reference_model():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant, sizes_seen", [
-    ("sharded", [3, 2]),
-    ("checkpointed", [3, 2, 2, 3]),  # the backward recomputes each block's first layer, gathering again
-    ("layer-1-unsharded-early", [2]),
-])
-def test_fsdp2_sharded_block_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
-    """FSDP2 (as tests/test_fused_convergence.py shards delta mode): a block's first layer gathers
-    the later layers' routers and begins the block's reads together, with the same gradients as
-    unsharded (also under activation checkpointing); a layer unsharded early (as by prefetching)
-    frees its whole parameters before the group's backward: then its block's reads run whole."""
+# the reads each group begins of the 3-layer model, per mode: blocks of 2 layers (layer 0's MLP read
+# and layer 1's; layer 2's two reads), full mode in groups of 2 layers (the same first group; layer
+# 2, a group of one, a split pair)
+SHARDED_SIZES = {"block": [3, 2], "full": [3]}
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+@pytest.mark.parametrize("variant", ["sharded", "checkpointed", "layer-1-unsharded-early"])
+def test_fsdp2_sharded_model_matches_unsharded(tmp_path, monkeypatch, configured, mode, variant):
+    """FSDP2 (as tests/test_fused_convergence.py shards delta mode): a group's first layer (a
+    block's; in full mode, groups of 2 layers) gathers the later layers' routers and begins the
+    group's reads together, with the same gradients as unsharded (also under activation
+    checkpointing); a layer unsharded early (as by prefetching) frees its whole parameters before
+    the group's backward: then its group's reads run whole (full mode: as split pairs)."""
     import copy
 
     from test_fused_convergence import assert_sharded_gradients_match, batches, fused_gradients, randomised, tiny_model
@@ -294,9 +304,107 @@ def test_fsdp2_sharded_block_model_matches_unsharded(tmp_path, monkeypatch, vari
     begin = reads.fused_begin_group
     monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: sizes.append(len(reads)) or
                         begin(sources, reads, *a))
-    model = randomised(tiny_model("block", "fused")).train()
+    configured(full_group_layers=2)
+    model = randomised(tiny_model(mode, "fused")).train()
     twin = copy.deepcopy(model)
     tokens = next(batches(1))
     expected = fused_gradients(twin, tokens)
-    assert sizes == [3, 2]  # blocks of 2 layers: layer 0's MLP read and layer 1's; layer 2's two reads
-    assert_sharded_gradients_match(model, tokens, expected, sizes, sizes_seen, variant, tmp_path / "store")
+    assert sizes == SHARDED_SIZES[mode]
+    # the backward recomputes each group's first layer, gathering again; layer 1 unsharded early
+    # leaves layer 0's group to read whole
+    sizes_seen = {"sharded": sizes, "checkpointed": sizes + sizes[::-1], "layer-1-unsharded-early": sizes[1:]}[variant]
+    assert_sharded_gradients_match(model, tokens, expected, sizes, list(sizes_seen), variant, tmp_path / "store")
+
+
+# full mode's groups of layers -------------------------------------------------------------------
+
+def begun_sizes(monkeypatch) -> list[int]:
+    """The reads each `fused_begin_group` call begins, in call order."""
+    sizes = []
+    begin = reads.fused_begin_group
+    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: sizes.append(len(reads)) or
+                        begin(sources, reads, *a))
+    return sizes
+
+
+# (layers per group, the reads each group of a 5-layer model begins, the ends that fold in newer
+# sources: every begun read but a group's first attention read, which takes the sources alone, the
+# split pairs left: a group of one layer, the last of 5 in groups of 2, and activation
+# checkpointing: reentrant or not, or None; with groups of 2 only, to keep the suite fast)
+FULL_GROUPS = [
+    pytest.param(2, [3, 4], 6, 1, None, id="G=2-not-dividing-5-layers"),
+    pytest.param(2, [3, 4], 6, 1, True, id="G=2-checkpointed-reentrant"),
+    pytest.param(2, [3, 4], 6, 1, False, id="G=2-checkpointed-non-reentrant"),
+    pytest.param(3, [5, 4], 8, 0, None, id="G=3"),
+    pytest.param(7, [9], 9, 0, None, id="G=7-more-than-the-layers"),
+]
+
+
+@pytest.mark.parametrize("group, sizes, ends, pairs, checkpointing", FULL_GROUPS)
+def test_full_model_groups_match_the_fp64_reference_model(monkeypatch, configured, spies, group, sizes, ends, pairs,
+                                                          checkpointing):
+    """Full mode with groups of `group` layers (`LaunchConfig.full_group_layers`): the loss and every
+    parameter's gradient against the same model in fp64 with the reference op, with and without
+    activation checkpointing; each group's reads begun in one grouped launch each way (its lse
+    gradients in that site pass), every other read with newer sources ended by a launch that
+    starts from its state, and a group of one layer left a split pair."""
+    configured(full_group_layers=group)
+    begun = begun_sizes(monkeypatch)
+    model = block_model("fused", mode="full")
+    reference = block_model("reference", mode="full")
+    reference.load_state_dict(model.state_dict())
+    reference.double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    loss, grads = loss_and_grads(model, ids, checkpointing)
+    expected_loss, expected = loss_and_grads(reference, ids, checkpointing)
+    # under checkpointing each group's first layer runs again in the backward, the last group's first
+    assert begun == sizes + ([] if checkpointing is None else sizes[::-1])
+    forward, site, _ = spies
+    runs = 1 if checkpointing is None else 2
+    assert (forward.count("GROUPED"), site.count("GROUPED"), site.count("HAS_LSE_GRAD")) == \
+        (len(sizes) * runs, len(sizes), len(sizes))
+    assert (forward.count("HAS_INIT"), forward.count("HAS_SECOND")) == ((ends + pairs) * runs, pairs * runs)
+    assert forward.launches == (len(sizes) + ends + 2 * pairs) * runs + 1  # the final read runs whole
+    assert site.count("HAS_SECOND") == pairs
+    assert abs(loss.item() - expected_loss.item()) < 1e-5
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected[name]) < 1e-4, name
+
+
+def test_full_model_in_groups_of_one_layer_runs_the_split_pairs(configured, spies):
+    """`full_group_layers=1` (the default) is the split pairs' path, bit for bit: no read begun in a
+    group, and the same loss and gradients as the model run under the default config."""
+    ids = torch.randint(0, 384, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    default_loss, default = loss_and_grads(block_model("fused", mode="full"), ids)
+    forward, site, _ = spies
+    launches = list(forward.flags), list(site.flags)
+    forward.flags.clear(), site.flags.clear()
+    configured(full_group_layers=1)
+    loss, grads = loss_and_grads(block_model("fused", mode="full"), ids)
+    assert (forward.count("GROUPED"), forward.count("HAS_SECOND"), forward.count("HAS_INIT")) == (0, 4, 4)
+    assert (list(forward.flags), list(site.flags)) == launches
+    assert torch.equal(loss, default_loss)
+    assert all(torch.equal(grad, default[name]) for name, grad in grads.items())
+
+
+def test_full_model_groups_backward_is_bitwise_identical(configured):
+    configured(full_group_layers=2)
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    first = loss_and_grads(block_model("fused", layers=3, mode="full"), ids)[1]
+    second = loss_and_grads(block_model("fused", layers=3, mode="full"), ids)[1]
+    assert all(torch.equal(grad, second[name]) for name, grad in first.items())
+
+
+def test_full_model_groups_generate_with_a_kv_cache(monkeypatch, configured):
+    """Generation with a cache, a token a step, begins each group's reads without autograd: the
+    same tokens as the reference model's greedy decoding, whose logits it matches."""
+    configured(full_group_layers=2)
+    begun = begun_sizes(monkeypatch)
+    model, reference = block_model("fused", mode="full").eval(), block_model("reference", mode="full").eval()
+    ids = torch.randint(2, 384, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        settings = dict(max_new_tokens=2, do_sample=False, min_new_tokens=2)
+        assert torch.equal(model.generate(ids, **settings), reference.generate(ids, **settings))
+    assert begun == [3, 4] * 3  # the logits' forward, the prompt, then the second new token

@@ -59,6 +59,15 @@ class LaunchConfig:
     partner_min_reads: int = 4
     # under the interpreter: few, large programs (a program costs host time there)
     interpreter_rows: int = 16
+    # Full mode's layers per group of two-phase reads (1: split pairs; docs/kernels.md): a group
+    # passes over its older sources once for its 2G reads, against 2G - 1 pending states alive at
+    # once per token ([d] in the sources' dtype and an fp32 lse each). Read at each group's first
+    # layer: a layer recomputed under activation checkpointing must see the same value.
+    full_group_layers: int = 1
+
+    def __post_init__(self):
+        if self.full_group_layers < 1:
+            raise ValueError(f"full_group_layers is a number of layers, at least 1; got {self.full_group_layers}")
 
 
 _current = LaunchConfig()

@@ -1,7 +1,8 @@
 """Single, split and two-phase reads: `fused_route` (one read), `fused_route_and_start` (a read
 that also begins the next one over the same sources, which `fused_route(..., prefix=)` ends), and
-`fused_begin_group` (block mode: reads of a block begun together over its finished blocks, each
-ended by `fused_route(..., prefix=(mix, lse, begun))`).
+`fused_begin_group` (two-phase reads: block mode's reads of a block begun together over its
+finished blocks, full mode's of a group of layers over the sources before it, each ended by
+`fused_route(..., prefix=(mix, lse, begun))`).
 
 `FusedRoute` is one read: its backward (the site kernel) computes the routing parameters'
 gradients and leaves its record with the sources it read (depth_sources.py). `FusedRoutePair` and
@@ -262,8 +263,9 @@ class FusedRouteEnd(torch.autograd.Function):
         return (None,) * 9
 
 
-# Two-phase reads (block mode): the reads of one block all take the finished blocks, and each
-# then its own newer sources. Phase 1 (`fused_begin_group`) is one grouped pass over the finished
+# Two-phase reads: the reads of one block (block mode) all take the finished blocks, those of a
+# group of layers (full mode) the sources made before it, and each then its own newer sources
+# (any number of them). Phase 1 (`fused_begin_group`) is one grouped pass over the finished
 # blocks that leaves each read's softmax state over them; phase 2 (`end_begun`, a read's own
 # call) folds its newer sources into that state with an online-softmax step. docs/kernels.md
 # derives the backward.
@@ -369,7 +371,7 @@ def fused_begin_group(sources: Sequence[torch.Tensor], reads: Sequence[Read], nu
     if not sources:
         return None
     if any(read.null_source is not None or read.gate is not None for read in reads):
-        raise ValueError("two-phase reads are ungated and have no null source (block mode's reads)")
+        raise ValueError("two-phase reads are ungated and have no null source (block and full mode's reads)")
     params = [t for read in reads for t in read[:2]]
     shape = (*sources[0].shape[:-1], num_heads)
     if needs_grad(*params, *sources):
@@ -429,7 +431,7 @@ def fused_route(
     sources = tuple(sources)
     if isinstance(prefix, tuple):  # (mix, lse, begun): a read begun by fused_begin_group
         if null_source is not None or gate is not None:
-            raise ValueError("two-phase reads are ungated and have no null source (block mode's reads)")
+            raise ValueError("two-phase reads are ungated and have no null source (block and full mode's reads)")
         return end_begun(sources, query, key_norm_weight, num_heads, eps, prefix)
     if prefix is not None:
         prefix.check(sources, query, key_norm_weight, null_source, gate)
