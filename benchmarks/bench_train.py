@@ -45,6 +45,7 @@ import itertools
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -57,7 +58,7 @@ from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf import routing
 from mhar_hf.convert import mhar_config_for
 from mhar_hf.ops.routing import fused_begin_group, fused_route, fused_route_and_start, fused_route_group, track
-from mhar_hf.ops.routing import launch
+from mhar_hf.ops.routing import launch, launch_config
 from mhar_hf.train.compile import compile_regions
 from mhar_hf.train.optim import causal_lm_loss, fused_loss_head, model_loss
 from mhar_hf.routing import Read
@@ -70,6 +71,7 @@ VARIANTS = [  # (label, residual mode, heads)
     ("block", "block", 8),
     ("delta", "delta", 8),
 ]
+FULL_GROUPED = "full H=8"  # the variant `--full-group-layers` runs once per G
 PATHS = ("fused", "fused+graph", "reference", "reference+compile")
 BASELINE_PATHS = ("eager", "compiled", "compiled+graph")
 
@@ -97,6 +99,32 @@ LOSSES = ("mhar-train", "transformers", "fused-linear")
 CLIP = 1.0  # gradient-norm clipping: mhar train's and Trainer's default
 FALLBACK_WARNING = "using the reference routing op"  # what routing.route & co. warn when they fall back
 PROTOCOLS = ("realistic", "graph", "both")
+
+
+def full_groups(label: str, mode: str, groups: list[int] | None) -> list[int | None]:
+    """The `LaunchConfig.full_group_layers` a variant runs with, one run each: full H=8 each G of
+    `--full-group-layers` (default: the current value), another full-mode variant the current
+    value; None for the other modes, which do not read it."""
+    if mode != "full":
+        return [None]
+    return list(groups) if groups and label == FULL_GROUPED else [launch.current().full_group_layers]
+
+
+def with_group(record: dict, group: int | None) -> dict:
+    """`record` with its full_group_layers where it has one."""
+    return record if group is None else dict(record, full_group_layers=group)
+
+
+def full_group_config(record: dict):
+    """A context running full mode with the record's full_group_layers (none: as it is)."""
+    group = record.get("full_group_layers")
+    return launch_config(full_group_layers=group) if group is not None else contextlib.nullcontext()
+
+
+def variant_label(record: dict) -> str:
+    """A row's model label, with its full_group_layers where it has one."""
+    label = record.get("label", "plain")
+    return label if record.get("full_group_layers") is None else f"{label} G={record['full_group_layers']}"
 
 
 def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
@@ -163,24 +191,32 @@ def time_training(model, batch: int, seq: int, warmup: int, steps: int, graph: b
     )
 
 
-def record_routing_sites(model: MHARForCausalLM) -> list[tuple[int, str]]:
-    """A list that the model's next forward fills with, per routing site, the number of sources
-    (null source included) it reads and how: "whole", as the first ("begin") or second ("end")
-    read of a split pair (`route_and_start`), as the first ("group") or a later ("ahead")
-    read of a group (`route_group`, delta mode), or as a two-phase read (block mode) that ends
-    with one newer source ("two-phase") or takes its begun sources alone ("two-phase-alone").
-    One-source reads return their source and are left out."""
+class Site(NamedTuple):
+    """One routing read of a training step (`record_routing_sites`)."""
+
+    sources: int  # the sources it reads, a gated read's null source included
+    role: str
+    begun: int = 0  # a two-phase read: the sources its state was begun over
+
+
+def record_routing_sites(model: MHARForCausalLM) -> list[Site]:
+    """A list that the model's next forward fills with a `Site` per routing read, whose role says
+    how it reads: "whole", as the first ("begin") or second ("end") read of a split pair
+    (`route_and_start`), as the first ("group") or a later ("ahead") read of a group
+    (`route_group`, delta mode), or as a two-phase read ("two-phase": block mode, and full mode in
+    groups of layers), which ends its state with its newer sources, if any. One-source reads
+    return their source and are left out."""
     sites = []
 
     def hook(router, args, kwargs):
         n = len(args[0]) + router.gated
         prefix = kwargs.get("prefix")
         role = "begin" if kwargs.get("begin") is not None else "end" if prefix is not None else "whole"
-        if isinstance(prefix, tuple):  # (mix, lse, begun sources)
-            role = "two-phase-alone" if prefix[2] == n else "two-phase"
+        begun = prefix[2] if isinstance(prefix, tuple) else 0  # (mix, lse, begun sources)
         ahead = kwargs.get("ahead", ())
         if n > 1 and len(sites) < router_count:
-            sites.extend([(n, "group" if ahead else role)] + [(n, "ahead")] * len(ahead))
+            sites.extend([Site(n, "group" if ahead else "two-phase" if begun else role, begun)]
+                         + [Site(n, "ahead")] * len(ahead))
 
     routers = [m for m in model.modules() if isinstance(m, MHARRouter)]
     router_count = len(routers)
@@ -197,22 +233,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
-TWO_PHASE = ("two-phase", "two-phase-alone")
+def starts_two_phase(sites: list[Site], i: int) -> bool:
+    """Whether two-phase site i is the first of its group: the reads of a group begin over the
+    same sources (a block's over its finished blocks, a group of layers' over the sources before
+    it), and the next group over more."""
+    return i == 0 or sites[i - 1].role != "two-phase" or sites[i - 1].begun != sites[i].begun
 
 
-def begun_sources(n: int, role: str) -> int:
-    """The sources a two-phase read (block mode) begins over: all but its newest, or all."""
-    return n - (role == "two-phase")
-
-
-def starts_two_phase(sites: list[tuple[int, str]], i: int) -> bool:
-    """Whether two-phase site i is the first of its group: the reads of a block begin over the
-    same finished blocks, and the next block over one more."""
-    n, role = sites[i]
-    return i == 0 or sites[i - 1][1] not in TWO_PHASE or begun_sources(*sites[i - 1]) != begun_sources(n, role)
-
-
-def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tuple, heads: int,
+def step_reads(sites: list[Site], sources, first: tuple, second: tuple, heads: int,
                null=None, gate=None) -> list[torch.Tensor]:
     """The outputs of one training step's routing reads with the fused op, made as the model makes
     them. `sites`: (sources read, role) per read, a gated read's count including its null source;
@@ -223,7 +251,7 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
     at once, no two would."""
     gated = gate is not None
     tracked, outs, prefix, states = [], [], None, []
-    for i, (n, role) in enumerate(sites):
+    for i, (n, role, begun) in enumerate(sites):
         while len(tracked) < n - gated:
             tracked.append(track(sources[len(tracked)], after=tracked[-1] if tracked else None))
         read = tracked[: n - gated]
@@ -237,11 +265,10 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
             continue
         elif role == "ahead":
             continue  # its group's first read made it
-        elif role in TWO_PHASE:  # a block's first read begins every read of the block over its blocks
-            begun = begun_sources(n, role)
+        elif role == "two-phase":  # a group's first read begins every read of the group over its sources
             if starts_two_phase(sites, i):
                 count = 1 + sum(1 for _ in itertools.takewhile(
-                    lambda site: site[1] in TWO_PHASE and begun_sources(*site) == begun, sites[i + 1:]))
+                    lambda site: site.role == "two-phase" and site.begun == begun, sites[i + 1:]))
                 states = fused_begin_group(read[:begun], [Read(*first)] * count, heads, 1e-6)
             out = fused_route(read, *first, heads, 1e-6, prefix=(*states.pop(0), begun))
         else:
@@ -250,21 +277,40 @@ def step_reads(sites: list[tuple[int, str]], sources, first: tuple, second: tupl
     return outs
 
 
-def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: int, heads: int,
-                 bandwidth: float) -> dict:
-    """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
-    op, made as the model makes them (delta mode's grouped gated reads, full mode's split pairs),
-    against the floor of the bytes they must move: per read, every source read once and the output
+def floor_units(sites: list[Site], gated: bool) -> tuple[int, int]:
+    """The floor of the bytes a step's reads must move (`time_routing`), forward and backward, in
+    [tokens, width] tensors of the sources' dtype: per read, every source read once and the output
     written once in the forward, its sources and output gradient read once in the site backward
     and the output gradient once more per source it reads; a split pair reads the second read's
     sources once for both reads, and a group its sources once for all its reads, in each of the
-    two passes. A two-phase read (block mode, docs/kernels.md) reads its group's blocks once for
-    the group in each pass; its state (in the sources' dtype) is written and read once, and its
-    gradient G written once and read by the group's site pass and by each block's source kernel;
-    its newer sources are read as a read's.
-    Also the wall time of forward + backward alone, which the host's launch time can bound."""
+    two passes. A two-phase read (block mode, and full mode in groups of layers; docs/kernels.md)
+    reads its group's begun sources once for the group in each pass; its state (in the sources'
+    dtype) is written and read once, and its gradient G written once and read by the group's site
+    pass and by each begun source's kernel; its newer sources are read as a read's."""
+    fwd_units = bwd_units = 0
+    for i, (n, role, begun) in enumerate(sites):
+        if role == "two-phase":
+            newer = n - begun
+            shared = begun if starts_two_phase(sites, i) else 0  # the group's first reads them for all
+            # state written (and read and the output written, with newer sources); backward: the
+            # output gradient and newer sources in the end's site pass, G written, the output gradient
+            # per newer source, G in the group's site pass and per begun source in the source kernels
+            fwd_units += shared + 1 + (2 + newer if newer else 0)
+            bwd_units += shared + (2 + 2 * newer if newer else 0) + 1 + begun
+            continue
+        sources_read = n - gated if role not in ("begin", "ahead") else 0  # a pair's or group's first reads them
+        fwd_units += 1 + sources_read
+        bwd_units += 1 + sources_read + (n - gated)
+    return fwd_units, bwd_units
+
+
+def time_routing(sites: list[Site], gated: bool, tokens: int, width: int, heads: int,
+                 bandwidth: float) -> dict:
+    """GPU time of one training step's routing reads (forward, and forward + backward) with the fused
+    op, made as the model makes them (`step_reads`), against the floor of the bytes they must move
+    (`floor_units`). Also the wall time of forward + backward alone, which the host's launch time can bound."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    table_sources = max(n for n, _ in sites) - gated
+    table_sources = max(site.sources for site in sites) - gated
     sources = [torch.randn(tokens, width, **bf16, requires_grad=True) for _ in range(table_sources)]
     query = (torch.randn(width, **bf16) / width**0.5).requires_grad_()
     norm_weight = torch.ones(width, **bf16, requires_grad=True)
@@ -275,7 +321,7 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
     # one output gradient per read, as in a step (the source kernel reads every read's gradient of
     # its source: one shared by all could stay in L2)
     grads = [torch.randn(tokens, width, **bf16) for _ in sites]
-    paired = any(role == "begin" for _, role in sites)
+    paired = any(site.role == "begin" for site in sites)
     params = [query, norm_weight] + ([null, gate] if gated else []) + (
         [second_query, second_norm_weight] if paired else [])
 
@@ -287,21 +333,7 @@ def time_routing(sites: list[tuple[int, str]], gated: bool, tokens: int, width: 
         outs = forward()
         torch.autograd.grad(outs, sources + params, grads)
 
-    fwd_units = bwd_units = 0  # in [tokens, width] bf16 tensors
-    for i, (n, role) in enumerate(sites):
-        if role in TWO_PHASE:
-            begun = begun_sources(n, role)
-            newer = n - begun
-            blocks = begun if starts_two_phase(sites, i) else 0  # the group's first reads its blocks for all
-            # state written (and read and the output written, with newer sources); backward: the
-            # output gradient and newer sources in the end's site pass, G written, the output gradient
-            # per newer source, G in the group's site pass and per block in the source kernels
-            fwd_units += blocks + 1 + (2 + newer if newer else 0)
-            bwd_units += blocks + (2 + 2 * newer if newer else 0) + 1 + begun
-            continue
-        sources_read = n - gated if role not in ("begin", "ahead") else 0  # a pair's or group's first reads them
-        fwd_units += 1 + sources_read
-        bwd_units += 1 + sources_read + (n - gated)
+    fwd_units, bwd_units = floor_units(sites, gated)
     unit = tokens * width * 2
     floor_fwd, floor_bwd = fwd_units * unit / bandwidth * 1e3, bwd_units * unit / bandwidth * 1e3
     kernels_ms = routing_kernel_ms(forward_backward)
@@ -385,6 +417,11 @@ def measure_baselines(preset: str, args) -> list[dict]:
 def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict | None:
     """Fill `record` (preset, mode, heads, path) with the training figures; for the fused path
     also return the routing kernel figures of the same model's reads."""
+    with full_group_config(record):
+        return _measure_mhar(record, baseline, args, bandwidth)
+
+
+def _measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict | None:
     preset, mode, heads, path = record["preset"], record["mode"], record["heads"], record["path"]
     batch, seq = MICRO_BATCH[preset]
     fused = path.startswith("fused")
@@ -407,15 +444,17 @@ def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict |
         return None
     kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
     print(kernel, flush=True)
-    return dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel)
+    return with_group(dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel),
+                      record.get("full_group_layers"))
 
 
 def ratio_at_floor(kernel: dict, training: list[dict], baseline: dict) -> float | None:
     """The x plain the variant's fastest fused step would reach if its routing kernels ran exactly
     at their byte floor: that step's time less the kernels' forward + backward GPU time, plus the
     floor. What this formulation allows, whatever the kernels do; None if no fused step was timed."""
+    keys = ("preset", "mode", "heads", "full_group_layers")
     steps = [r for r in training if r["path"].startswith("fused") and "tokens_per_s" in r
-             and (r["preset"], r["mode"], r["heads"]) == (kernel["preset"], kernel["mode"], kernel["heads"])]
+             and all(r.get(key) == kernel.get(key) for key in keys)]
     if not steps:
         return None
     step_s = kernel["tokens"] / max(r["tokens_per_s"] for r in steps)
@@ -471,12 +510,12 @@ def case_config(case: dict):
 
 def realistic_cases(presets: list[str], variants: list[str], paths: list[str],
                     whole_variants: list[str] = WHOLE_VARIANTS, checkpointed: list[str] = (SLICE,),
-                    loss: str = LOSSES[0]) -> list[dict]:
+                    loss: str = LOSSES[0], full_group_layers: list[int] | None = None) -> list[dict]:
     """The realistic protocol's configurations, in the order they run: first each preset's compiled
     rows (what the targets are about: the plain class, MHAR `standard` as a check of it, each
     variant), then the eager rows, then `torch.compile(model)` on the whole model (the plain class
     and `whole_variants` of `variants`). The slice runs delta only; the `checkpointed` presets
-    with activation checkpointing."""
+    with activation checkpointing; full H=8 once per G of `full_group_layers` (`full_groups`)."""
     cases = []
     for path in (p for p in REALISTIC_PATHS if p in paths):
         if path == "compiled-whole":
@@ -488,8 +527,9 @@ def realistic_cases(presets: list[str], variants: list[str], paths: list[str],
             cases.append(dict(base, label="plain", mode="standard", heads=None))
             if path == "compiled":
                 cases.append(dict(base, label="MHAR standard", mode="standard", heads=None))
-            cases += [dict(base, label=label, mode=mode, heads=heads) for label, mode, heads in VARIANTS
-                      if label in variants and (preset != SLICE or mode == "delta")]
+            cases += [with_group(dict(base, label=label, mode=mode, heads=heads), group)
+                      for label, mode, heads in VARIANTS if label in variants and (preset != SLICE or mode == "delta")
+                      for group in full_groups(label, mode, full_group_layers)]
     return cases
 
 
@@ -598,6 +638,11 @@ def fell_back(error: BaseException) -> str | None:
 def measure_realistic(case: dict, args, device: torch.device) -> dict:
     """Time one realistic case: its record, with the figures, `status` "out of memory" or
     "fell back to the reference op" (and the warning in `fallback`)."""
+    with full_group_config(case):
+        return _measure_realistic(case, args, device)
+
+
+def _measure_realistic(case: dict, args, device: torch.device) -> dict:
     record = dict(case)
     cuda = device.type == "cuda"
     held = held_bytes() if cuda else 0
@@ -681,7 +726,7 @@ def run_realistic(args, device: torch.device) -> list[dict]:
     variants = args.variants or list(REALISTIC_VARIANTS)
     records = []
     for case in realistic_cases(presets, variants, args.realistic_paths, args.whole_variants, args.checkpointing,
-                                args.loss):
+                                args.loss, args.full_group_layers):
         if time.monotonic() - began > args.budget_s:
             records.append(dict(case, status="skipped: time budget"))
             continue
@@ -710,8 +755,9 @@ def run_graph(args, report: dict) -> None:
                 report["training"] += records
                 baselines[preset] = max(records, key=lambda r: r["tokens_per_s"])
             for label, mode, heads in (v for v in VARIANTS if v[0] in variants):
-                for path in (p for p in paths if p in args.paths):
-                    record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path)
+                for group, path in itertools.product(full_groups(label, mode, args.full_group_layers),
+                                                     [p for p in paths if p in args.paths]):
+                    record = with_group(dict(preset=preset, mode=mode, heads=heads, label=label, path=path), group)
                     report["training"].append(record)
                     if time.monotonic() - began > args.budget_s:
                         record["status"] = "skipped: time budget"
@@ -766,7 +812,7 @@ def realistic_markdown(records: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        head = f"| {r['preset']} | {r['batch']}x{r['seq']} | {r['label']} | {r['path']} |"
+        head = f"| {r['preset']} | {r['batch']}x{r['seq']} | {variant_label(r)} | {r['path']} |"
         if "tokens_per_s" not in r:
             lines.append(f"{head} {r.get('status')} | | | | | | |")
             continue
@@ -798,7 +844,7 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["training"]:
-        model = r.get("label", "plain")
+        model = variant_label(r)
         if "tokens_per_s" not in r:
             lines.append(f"| {r['preset']} | {model} | {r['path']} | {r.get('status')} | | | |")
             continue
@@ -822,7 +868,8 @@ def markdown(report: dict) -> str:
     ]
     for k in report["kernels"]:
         lines.append(
-            f"| {k['preset']} | {k['mode']} | {k['heads']} | {k['sites']} | {k['fwd_ms']} | {k['fwd_floor_ms']} "
+            f"| {k['preset']} | {variant_label(dict(k, label=k['mode']))} | {k['heads']} | {k['sites']} "
+            f"| {k['fwd_ms']} | {k['fwd_floor_ms']} "
             f"| {k['fwd_pct_of_floor']} | {k['fwd_bwd_ms']} | {k['fwd_bwd_floor_ms']} | {k['fwd_bwd_pct_of_floor']} "
             f"| {k['fwd_bwd_wall_ms']} | {k.get('ratio_at_floor') or ''} |"
         )
@@ -840,15 +887,16 @@ def result_rows(report: dict) -> list[tuple[str, dict, dict]]:
         if "tokens_per_s" not in r and r.get("status") != "out of memory":
             continue
         batch, seq = MICRO_BATCH[r["preset"]]
-        config = dict(preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r.get("label", "plain"),
-                      path=r["path"], batch=batch, seq=seq, **steps)
+        config = with_group(dict(preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r.get("label", "plain"),
+                                 path=r["path"], batch=batch, seq=seq, **steps), r.get("full_group_layers"))
         metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib",
                                            "ratio_vs_baseline", "mem_ratio_vs_baseline") if key in r}
         rows.append(("train_throughput", config, metrics if metrics else {"out_of_memory": True}))
     rows += [("train_throughput", *realistic_row(r, steps)) for r in report.get("realistic", ())
              if "tokens_per_s" in r or r.get("status") in ("out of memory", "fell back to the reference op")]
     for k in report["kernels"]:
-        config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites")}
+        config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites", "full_group_layers")
+                  if key in k}
         metrics = {key: value for key, value in k.items() if key not in config}
         rows.append(("routing_kernels", config, dict(metrics, copy_bandwidth_tb_s=report["copy_bandwidth_tb_s"])))
     return rows
@@ -862,6 +910,7 @@ def realistic_row(r: dict, steps: dict) -> tuple[dict, dict]:
                   autocast="bfloat16", loss=r["loss"], checkpointing=r["checkpointing"],
                   compile_backend=r["compile_backend"],
                   **steps)
+    config = with_group(config, r.get("full_group_layers"))
     if "tokens_per_s" not in r:
         return config, {"out_of_memory" if r["status"] == "out of memory" else "fell_back_to_reference": True}
     metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib", "first_step_s",
@@ -898,6 +947,10 @@ def main():
     parser.add_argument("--compile-reference", nargs="*", default=["100M"],
                         help="graph protocol: presets where full H=8 also runs with the reference op compiled "
                         "(one graph per layer, since every layer reads a different number of sources: minutes to build)")
+    parser.add_argument("--full-group-layers", nargs="+", type=int, metavar="G",
+                        help="full mode's layers per group of two-phase reads (LaunchConfig.full_group_layers, "
+                        "docs/kernels.md): full H=8 runs once per G, each row recording it (default: the current "
+                        "value; 1: split pairs)")
     parser.add_argument("--compile-backend", default="inductor", help="realistic protocol's torch.compile backend")
     parser.add_argument("--checkpointing", nargs="*", default=[SLICE], choices=list(REALISTIC_BATCH),
                         help="realistic protocol: presets run with (non-reentrant) activation checkpointing")
@@ -916,14 +969,16 @@ def main():
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
+    if args.full_group_layers and min(args.full_group_layers) < 1:
+        parser.error("--full-group-layers takes numbers of layers, at least 1")
     if args.loss == "fused-linear" and "compiled-whole" in args.realistic_paths:
         # its output layer's forward is swapped for the loss each step: a whole-model graph would recompile
         parser.error("--loss fused-linear runs on the compiled (mhar train --compile) and eager paths, not compiled-whole")
     if args.list:
         presets = [p for p in (args.presets or REALISTIC_BATCH) if p in REALISTIC_BATCH]
         for case in realistic_cases(presets, args.variants or list(REALISTIC_VARIANTS), args.realistic_paths,
-                                    args.whole_variants, args.checkpointing, args.loss):
-            print(f"{case['preset']} {case['batch']}x{case['seq']} {case['label']} {case['path']}"
+                                    args.whole_variants, args.checkpointing, args.loss, args.full_group_layers):
+            print(f"{case['preset']} {case['batch']}x{case['seq']} {variant_label(case)} {case['path']}"
                   + (" checkpointed" if case["checkpointing"] else ""))
         return
     if not torch.cuda.is_available():

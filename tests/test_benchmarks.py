@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mhar_hf import MHARForCausalLM
-from mhar_hf.ops.routing import depth_sources, fused_route, kernels, launch
+from mhar_hf.ops.routing import depth_sources, fused_route, kernels, launch, launch_config
 from mhar_hf.tiny import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_train import record_routing_sites, step_reads  # noqa: E402
+from bench_train import Site, floor_units, record_routing_sites, step_reads  # noqa: E402
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def model_step(mode: str, source_launches) -> tuple:
 def test_step_reads_pair_sources_as_the_model_does(source_launches):
     config, sites, by_model = model_step("full", source_launches)
     width = config.hidden_size
-    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites))]
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(site.sources for site in sites))]
     first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
     outs = step_reads(sites, sources, first, second, config.residual_heads)
     torch.autograd.grad(outs, sources + [*first, *second], [torch.randn_like(o) for o in outs])
@@ -61,24 +61,21 @@ def test_step_reads_group_reads_as_the_model_does(source_launches):
     config, sites, by_model = model_step("delta", source_launches)
 
     width = config.hidden_size
-    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(n for n, _ in sites) - 1)]
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(site.sources for site in sites) - 1)]
     first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
     null, gate = torch.randn(width, requires_grad=True), torch.randn(1, requires_grad=True)
     outs = step_reads(sites, sources, first, second, config.residual_heads, null, gate)
     torch.autograd.grad(outs, sources + [*first, null, gate], [torch.randn_like(o) for o in outs])
 
-    roles = [role for _, role in sites]
+    roles = [site.role for site in sites]
     # blocks of 3 layers: layer 0's MLP read to layer 3's attention read, then layer 3's MLP read on
     assert roles.count("group") == 2 and roles.count("ahead") == 7
     assert len(outs) == len(sites) and source_launches == by_model
 
 
-def test_step_reads_make_two_phase_reads_as_the_model_does(monkeypatch):
-    """Block mode: each block's reads begun in one grouped launch over its finished blocks, then
-    ended one by one; the final read whole."""
-    config = tiny_config(residual_mode="block", routing_implementation="fused", num_hidden_layers=5)
-    model = MHARForCausalLM(config)
-    sites = record_routing_sites(model)
+@pytest.fixture
+def grouped_launches(monkeypatch) -> list[bool]:
+    """Per forward launch, whether it is grouped."""
     grouped = []
     forward = kernels.route_fwd_kernel
 
@@ -90,18 +87,68 @@ def test_step_reads_make_two_phase_reads_as_the_model_does(monkeypatch):
             return launch
 
     monkeypatch.setattr(kernels, "route_fwd_kernel", Spy())
-    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
-    by_model, grouped[:] = list(grouped), []
-    # blocks of 3 layers: layer 0's MLP read to layer 2's, over the embedding; layer 3's attention
-    # read (the blocks alone) to layer 4's MLP read, over the embedding and the first block
-    assert sites == [(2, "two-phase")] * 5 + [(2, "two-phase-alone")] + [(3, "two-phase")] * 3 + [(3, "whole")]
+    return grouped
 
+
+def two_phase_step(mode: str, grouped_launches) -> tuple[list[Site], list[bool]]:
+    """A 5-layer tiny model's routing sites, and whether each forward launch of a step of it and of
+    `step_reads` of its sites is grouped (which must agree)."""
+    config = tiny_config(residual_mode=mode, routing_implementation="fused", num_hidden_layers=5)
+    model = MHARForCausalLM(config)
+    sites = record_routing_sites(model)
+    model(torch.randint(0, 384, (1, 6))).logits.sum().backward()
+    by_model, grouped_launches[:] = list(grouped_launches), []
     width = config.hidden_size
-    sources = [torch.randn(6, width, requires_grad=True) for _ in range(3)]
+    sources = [torch.randn(6, width, requires_grad=True) for _ in range(max(site.sources for site in sites))]
     first, second = [tuple(torch.randn(width, requires_grad=True) for _ in range(2)) for _ in range(2)]
     outs = step_reads(sites, sources, first, second, config.residual_heads)
-    torch.autograd.grad(outs, sources + [*first], [torch.randn_like(o) for o in outs])
-    assert len(outs) == len(sites) and grouped == by_model and grouped.count(True) == 2
+    torch.autograd.grad(outs, sources + [*first], [torch.randn_like(o) for o in outs], allow_unused=True)
+    assert len(outs) == len(sites) and grouped_launches == by_model
+    return sites, by_model
+
+
+def test_step_reads_make_two_phase_reads_as_the_model_does(grouped_launches):
+    """Block mode: each block's reads begun in one grouped launch over its finished blocks, then
+    ended one by one; the final read whole."""
+    sites, grouped = two_phase_step("block", grouped_launches)
+    # blocks of 3 layers: layer 0's MLP read to layer 2's, over the embedding; layer 3's attention
+    # read (the blocks alone) to layer 4's MLP read, over the embedding and the first block
+    assert sites == [(2, "two-phase", 1)] * 5 + [(2, "two-phase", 2)] + [(3, "two-phase", 2)] * 3 + [(3, "whole", 0)]
+    assert grouped.count(True) == 2
+
+
+def test_step_reads_make_full_mode_groups_as_the_model_does(grouped_launches):
+    """Full mode in groups of 2 layers: each group's reads begun in one grouped launch over the
+    sources made before it, then each ended with its own newer sources (up to 3); the final read whole."""
+    with launch_config(full_group_layers=2):
+        sites, grouped = two_phase_step("full", grouped_launches)
+    assert [(site.sources - site.begun, site.begun) for site in sites if site.role == "two-phase"] == [
+        (1, 1), (2, 1), (3, 1), (0, 5), (1, 5), (2, 5), (3, 5)]
+    # the last layer, a group of one, is a split pair
+    assert sites[-3:] == [(9, "begin", 0), (10, "end", 0), (11, "whole", 0)] and grouped.count(True) == 2
+
+
+@pytest.mark.parametrize("layers", [5, 12])
+def test_full_mode_floor_follows_its_groups(layers):
+    """floor_units of full mode's reads in groups of G layers, against split pairs: a group of G
+    layers whose reads begin over k sources moves 2 ((G - 1) k - (G^2 + 3G - 2)) tensors fewer,
+    half of them in each pass (docs/kernels.md); a group of one layer is a split pair."""
+    def floor(group):
+        config = tiny_config(residual_mode="full", routing_implementation="fused", num_hidden_layers=layers)
+        with launch_config(full_group_layers=group):
+            model = MHARForCausalLM(config)
+            sites = record_routing_sites(model)
+            with torch.no_grad():
+                model(torch.randint(0, 384, (1, 2)))
+        return floor_units(sites, gated=False)
+
+    pairs = floor(1)
+    for group in (2, 3, 7):
+        grouped = floor(group)
+        starts = range(0, layers, group)
+        saved = sum((g - 1) * (1 + 2 * start) - (g * g + 3 * g - 2) for start in starts
+                    for g in [min(group, layers - start)] if g > 1)
+        assert (pairs[0] - grouped[0], pairs[1] - grouped[1]) == (saved, saved), group
 
 
 def test_sweep_field_times_each_value_and_restores_the_default(monkeypatch, capsys):
@@ -349,10 +396,10 @@ def tiny_realistic(monkeypatch):
     monkeypatch.setattr(bench_train, "case_config", tiny)
     monkeypatch.setattr(bench_train, "REALISTIC_BATCH", {"100M": (2, 16), bench_train.SLICE: (1, 16)})
 
-    def run(presets, variants, paths, whole_variants=("delta",), loss="mhar-train"):
+    def run(presets, variants, paths, whole_variants=("delta",), loss="mhar-train", full_group_layers=None):
         args = Namespace(presets=presets, variants=variants, realistic_paths=paths, whole_variants=whole_variants,
                          checkpointing=[bench_train.SLICE], loss=loss, warmup=1, steps=1, budget_s=3600,
-                         compile_backend="eager")
+                         compile_backend="eager", full_group_layers=full_group_layers)
         return bench_train.run_realistic(args, torch.device("cpu"))
 
     return run
@@ -516,3 +563,50 @@ def test_realistic_markdown_judges_compiled_variants_against_their_targets():
     assert "| 350M | 8x2048 | block | compiled | 95,000 | 0.95 | 0.95 | 40.0 | 1.05 | 30.5 | 0.95: met |" in text
     assert "| 350M | 8x2048 | full H=8 | compiled | out of memory |" in text
     assert "copy bandwidth" not in text and "Graph protocol" not in text
+
+
+def test_full_group_layers_run_full_mode_once_per_group_and_record_it(tiny_realistic, monkeypatch, tmp_path):
+    """--full-group-layers: full H=8 runs once per G, with that G in effect (its groups begin their
+    reads together), each row recording it in its config and its label; other variants keep theirs."""
+    import bench_train
+    import results_log
+    from mhar_hf.ops import routing as fused
+
+    begun = []
+    begin = fused.fused_begin_group
+    monkeypatch.setattr(fused, "fused_begin_group", lambda *args: begun.append(launch.current().full_group_layers)
+                        or begin(*args))
+    records = tiny_realistic(["100M"], ["full H=8"], ["eager"], full_group_layers=[1, 3])
+    assert [(r["label"], r.get("full_group_layers")) for r in records] == [
+        ("plain", None), ("full H=8", 1), ("full H=8", 3)]
+    assert begun and set(begun) == {3}  # groups of one layer are split pairs
+    assert launch.current().full_group_layers == 1  # restored
+
+    report = dict(date="2026-12-07T09:00:00+00:00", gpu="cpu", commit="0123abc", torch="t", triton="tr",
+                  copy_bandwidth_tb_s=None, warmup_steps=1, timed_steps=1, training=[], kernels=[], realistic=records)
+    bench_train.record(report, tmp_path)
+    rows = results_log.read_results("train_throughput", tmp_path)
+    assert [row["config"].get("full_group_layers") for row in rows] == [None, 1, 3]
+    assert "| 100M | 2x16 | full H=8 G=3 | eager |" in bench_train.markdown(report)
+
+
+def test_graph_rows_and_kernel_rows_record_their_full_group_layers():
+    """The graph protocol's rows: each full-mode row's G in its config, label and kernel table, and
+    a kernel row's ratio at floor taken from the training step of the same G."""
+    from bench_train import full_groups, markdown, ratio_at_floor, result_rows
+
+    assert full_groups("full H=8", "full", [2, 4]) == [2, 4] and full_groups("full H=1", "full", [2, 4]) == [1]
+    assert full_groups("block", "block", [2]) == [None] and full_groups("full H=8", "full", None) == [1]
+    row = dict(preset="350M", mode="full", heads=8, label="full H=8", path="fused", peak_mem_gib=9.0)
+    training = [dict(row, full_group_layers=1, tokens_per_s=80000), dict(row, full_group_layers=4, tokens_per_s=90000)]
+    kernel = dict(preset="350M", mode="full", heads=8, tokens=4096, sites=48, fwd_ms=0.6, fwd_floor_ms=0.3,
+                  fwd_pct_of_floor=50.0, fwd_bwd_ms=2.2, fwd_bwd_floor_ms=1.0, fwd_bwd_pct_of_floor=45.5,
+                  fwd_bwd_wall_ms=2.5, full_group_layers=4)
+    step_ms = 4096 / 90000 * 1e3
+    assert ratio_at_floor(kernel, training, {"tokens_per_s": 96804}) == round(4096 / 96804 * 1e3 / (step_ms - 1.2), 3)
+    report = dict(date="d", gpu="g", commit="c", torch="t", triton="tr", copy_bandwidth_tb_s=3.0, warmup_steps=3,
+                  timed_steps=8, training=training, kernels=[kernel], realistic=[])
+    rows = result_rows(report)
+    assert [config.get("full_group_layers") for _, config, _ in rows] == [1, 4, 4]
+    text = markdown(report)
+    assert "| 350M | full H=8 G=4 | fused | 90,000 |" in text and "| 350M | full G=4 | 8 | 48 | 0.6 |" in text
