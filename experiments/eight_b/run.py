@@ -66,7 +66,7 @@ SETTINGS = {
                  lora_rank=4, lr=1e-3, corpus_mb=0.3, prompt_tokens=8, new_tokens=4, batch=4,
                  max_new_tokens_verify=4),
 }
-DISK_NEEDED_GB, COPY_GB = 34, 17  # the source and the converted model (16 GB each); the timed plain copy
+MODEL_GB, COPY_GB = 17, 17  # the source or the converted model (16 GB each); the timed plain copy
 # Seconds each piece may take at 8B on an H100 (the upper ends of README.md's estimates): a piece
 # is skipped when less than this is left before the deadline. The tiny shape needs none.
 ESTIMATES_S = {"make": 90, "convert_timed": 120, "convert": 60, "corpus": 30, "verify": 150, "train_run": 180,
@@ -524,7 +524,12 @@ def step_generate(work: Work) -> None:
             if name == "llama":
                 reference[batch] = tokens.cpu()
             elif batch in reference:
-                metrics["same_tokens_as_llama"] = bool(torch.equal(tokens.cpu(), reference[batch]))
+                same = tokens.cpu() == reference[batch]
+                metrics["same_tokens_as_llama"] = bool(same.all())
+                # per sequence, the first new token that differs (None: all the same): a late first
+                # difference is a near-tie greedy step resolved the other way, not a different model
+                metrics["first_difference"] = [int(row.logical_not().nonzero()[0]) if not row.all() else None
+                                               for row in same]
                 if lora is None and not metrics["same_tokens_as_llama"]:
                     work.failures.append(f"generate: converted and plain models differ at batch {batch}")
             if gates is not None:
@@ -574,9 +579,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"shape {args.shape}, steps {' '.join(args.steps)}, settings {json.dumps(settings)}")
     free = shutil.disk_usage(args.work).free
     log(f"{args.work}: {free / 1e9:.0f} GB free on a {filesystem(args.work)} filesystem")
-    needed = DISK_NEEDED_GB + (COPY_GB if "convert" in args.steps else 0)
+    # what is still to be written: a model already in --work (an earlier command on a machine still
+    # held) is reused, except the converted one, which `convert` writes again beside a timed copy
+    to_write = [not (work.llama / "model.safetensors.index.json").exists(),
+                "convert" in args.steps or not (work.mhar / "mhar_conversion.json").exists()]
+    needed = MODEL_GB * sum(to_write) + (COPY_GB if "convert" in args.steps else 0)
     if args.shape == "8b" and free < needed * 1e9:
-        log(f"too little disk: these steps need {needed} GB (source and converted model, 16 GB each, and the timed copy)")
+        log(f"too little disk: these steps need {needed} GB more (16 GB for each model not yet in {args.work}, "
+            f"{COPY_GB} GB for convert's timed copy)")
         return 1
     for step in args.steps:
         started = time.perf_counter()
