@@ -176,8 +176,7 @@ def route_and_start(
     """
     kernels = _kernels_for(implementation, sources[0]) if sources else None
     if kernels is not None:
-        reason = (kernels.unsupported_reason(sources, query, num_heads)
-                  or kernels.unsupported_reason(sources, next_query, num_heads))
+        reason = kernels.unsupported_reason(sources, query, num_heads, next_query=next_query)
         if reason is None:
             if torch.compiler.is_compiling():  # a traced read is one op: no pair (ops/routing/traced.py)
                 return kernels.traced_route(sources, query, key_norm_weight, num_heads, eps), None

@@ -15,8 +15,9 @@ MAX_TILE = 16384  # padded elements per token row a program holds in registers
 
 
 def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int, null_source=None,
-                       residual=None):
-    """Why the kernels cannot run this call (a sentence), or None when they can."""
+                       residual=None, next_query=None):
+    """Why the kernels cannot run this call (a sentence), or None when they can; `next_query`: the
+    query of a read begun in the same pass (`route_and_start`), checked like `query`."""
     if not sources:
         return None
     first = sources[0]
@@ -28,7 +29,7 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     if residual is not None and (residual.shape != shape or residual.device != device or residual.dtype not in SOURCE_DTYPES):
         return f"fused routing needs the residual shaped like the sources ({tuple(shape)}) on {device}"
     width = shape[-1]
-    tensors = (query,) if null_source is None else (query, null_source)
+    tensors = [t for t in (query, null_source, next_query) if t is not None]
     if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
         return f"fused routing needs [{width}] routing vectors on {device} and heads dividing {width}"
     # traced (torch.compile), the tile is computed outside its cache, which Dynamo would warn of

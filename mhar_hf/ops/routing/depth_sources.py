@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from . import kernels, launch, outputs, tables
 
@@ -25,19 +24,22 @@ def source_rstd(sources, marks, eps: float) -> tuple[list[torch.Tensor], int]:
     The forward loads those and computes the others into new rows, which the marks that had none
     keep from then on (the forwards load rstd instead of summing a row: fewer instructions per
     source)."""
-    mark_at = {position: mark for mark, position in marks} if launch.current().keep_rstd else {}
+    keep = launch.current().keep_rstd
     kept = []
-    for position in range(len(sources)):
-        mark = mark_at.get(position)
-        if mark is None or mark.rstd is None or mark.rstd_eps != eps:
-            break
-        kept.append(mark.rstd)
-    first = sources[0]
-    rows = [*kept, *outputs.per_read(len(sources) - len(kept), (first.numel() // first.shape[-1],), first.device)]
-    for position in range(len(kept), len(sources)):
-        mark = mark_at.get(position)
-        if mark is not None and mark.rstd is None:
-            mark.rstd, mark.rstd_eps = rows[position], eps
+    if keep:
+        for mark, position in marks:  # in the sources' order: kept while every position has a row
+            if position != len(kept) or mark.rstd is None or mark.rstd_eps != eps:
+                break
+            kept.append(mark.rstd)
+    rows = kept
+    if len(kept) < len(sources):
+        first = sources[0]
+        fresh = outputs.per_read(len(sources) - len(kept), (first.numel() // first.shape[-1],), first.device)
+        rows = [*kept, *fresh.unbind(0)]
+        if keep:
+            for mark, position in marks[len(kept):]:
+                if mark.rstd is None:
+                    mark.rstd, mark.rstd_eps = rows[position], eps
     return rows, len(kept)
 
 
@@ -127,22 +129,25 @@ def on_one_chain(sources, begun: int = 0) -> tuple[tuple, list, torch.Tensor | N
     are; others are marked here. The first `begun` sources are a begun read's, already on one
     chain (`reads.ReadPrefix.marked`): sources after them are marked after them, so that the pair's
     site backward, which writes terms the second read's sources use, runs before any of theirs."""
-    positions = [i for i, s in enumerate(sources) if s.requires_grad]
-    if not positions:
+    marks = [(s.grad_fn, i) for i, s in enumerate(sources) if s.requires_grad]
+    if not marks:
         return sources, [], None
-    marks = [sources[i].grad_fn for i in positions]
-    newest = marks[-1]
-    if not (isinstance(newest, _DEPTH_NODE) and all(isinstance(m, _DEPTH_NODE) and _precedes(m, newest)
-                                                    for m in marks)):
-        marked = list(sources[:begun])
-        previous = next((s for s in reversed(marked) if s.requires_grad), None)
-        for s in sources[begun:]:
-            if s.requires_grad:
-                s = previous = _mark(s, previous)
-            marked.append(s)
-        sources = tuple(marked)
-        marks = [sources[i].grad_fn for i in positions]
-    return sources, list(zip(marks, positions)), sources[positions[-1]]
+    newest = marks[-1][0]
+    if isinstance(newest, _DEPTH_NODE):
+        chain, limit = newest.chain, newest.position
+        # the model's sources are on the newest one's chain: _precedes only for the others
+        if all(isinstance(m, _DEPTH_NODE) and (m.chain is chain and m.position <= limit or _precedes(m, newest))
+               for m, _ in marks):
+            return sources, marks, sources[marks[-1][1]]
+    marked = list(sources[:begun])
+    previous = next((s for s in reversed(marked) if s.requires_grad), None)
+    for s in sources[begun:]:
+        if s.requires_grad:
+            s = previous = _mark(s, previous)
+        marked.append(s)
+    sources = tuple(marked)
+    marks = [(sources[i].grad_fn, i) for _, i in marks]
+    return sources, marks, sources[marks[-1][1]]
 
 
 class ReadRecord:
@@ -151,19 +156,15 @@ class ReadRecord:
     (fp32 [sources, 2, T, H]), written by its site kernel (or, for a split pair's second read,
     partly by its total kernel, the rest by the pair's site kernel)."""
 
-    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "_terms_at")
+    __slots__ = ("task", "dout", "lse", "total", "gq", "terms", "eps", "addresses", "dtype", "terms_at")
 
     def __init__(self, task: int, dout, lse, total, gq, terms, eps: float):
         self.task, self.dout, self.lse, self.total, self.gq, self.terms = task, dout, lse, total, gq, terms
-        self.eps = eps
+        self.eps, self.dtype = eps, dout.dtype
         self.addresses = tables.addresses((dout, lse, total, gq))  # a reader-table row starts with these
-        assert not any(a % tables.ALIGNMENT for a in (*self.addresses, terms.data_ptr())), "kernels._address assumes it"
-        self._terms_at = (terms.data_ptr(), terms.stride(0) * terms.element_size())
-
-    def terms_address(self, position: int) -> int:
-        """Where this read's terms for its source at `position` start."""
-        base, step = self._terms_at
-        return base + position * step
+        # where its terms for the source at position p start: base + p * step
+        self.terms_at = base, step = terms.data_ptr(), terms.stride(0) * terms.element_size()
+        assert not any(a % tables.ALIGNMENT for a in (*self.addresses, base)), "kernels._address assumes it"
 
 
 def leave(marks, record: ReadRecord) -> None:
@@ -191,23 +192,24 @@ def _partner(ctx, records: list[tuple[ReadRecord, int]], task: int):
     if (node is None or len(records) < launch.current().partner_min_reads or node.partial is not None
             or node.source.shape != ctx.source.shape):
         return None
-    theirs = {id(r) for r, _ in node.records if r.task == task}
-    return node if theirs == {id(r) for r, _ in records} else None
+    theirs = {r for r, _ in node.records if r.task == task}
+    return node if theirs == {r for r, _ in records} else None
 
 
 def _reader_table(records: list[tuple[ReadRecord, int]], partner) -> tuple[list[int], list[torch.Tensor]]:
     """The source kernel's reader table (per read: output gradient, lse, S, g*q, and its terms for
     the source and for the partner), and the output gradients converted to one dtype that the
     table points at (reads of mixed output dtypes)."""
-    theirs = {id(r): position for r, position in partner.records} if partner is not None else {}
-    dtype = records[0][0].dout.dtype
+    theirs = dict(partner.records) if partner is not None else None  # a record's position in the partner's reads
+    dtype = records[0][0].dtype
     table, converted = [], []
     for r, position in records:
         addresses = r.addresses
-        if r.dout.dtype != dtype:
+        if r.dtype != dtype:
             converted.append(r.dout.to(dtype))
             addresses = (converted[-1].data_ptr(), *addresses[1:])
-        table += (*addresses, r.terms_address(position), r.terms_address(theirs[id(r)]) if partner is not None else 0)
+        base, step = r.terms_at
+        table += (*addresses, base + position * step, base + theirs[r] * step if theirs is not None else 0)
     return table, converted
 
 
@@ -234,7 +236,7 @@ def source_grad(source, records: list[tuple[ReadRecord, int]], grad_in, partial:
         other = partner.source.contiguous()
         left = Partial(task, outputs.empty((tokens, width), dtype=torch.float32, device=source.device),
                        outputs.empty((tokens,), dtype=torch.float32, device=source.device), eps, heads)
-    kernels.route_source_bwd_kernel[(triton.cdiv(tokens, setup["BLOCK_T"]),)](
+    kernels.route_source_bwd_kernel[(launch.cdiv(tokens, setup["BLOCK_T"]),)](
         source, readers, dout0, stat0, grad_in if grad_in is not None else grad, grad,
         *((other, left.acc, left.norm) if other is not None else (source, stat0, stat0)),
         *((partial.acc, partial.norm) if partial is not None else (stat0, stat0)),

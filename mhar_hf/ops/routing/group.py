@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 
 from mhar_hf.routing import Read, check_gated, route_reference
 
@@ -19,10 +18,11 @@ from .depth_sources import ReadRecord, leave, needs_grad, on_one_chain, source_r
 def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) -> torch.Tensor:
     """A group's read table (kernels.READ_FIELDS): per read its parameters (the query stands in
     for an absent null source or gate) and `lasts`, its output or output gradient."""
-    addresses = []
+    fields = []
     for read, last in zip(reads, lasts):
-        addresses += tables.addresses((*tables.aligned(t if t is not None else read.query for t in read), last))
-    return tables.address_table(tuple(addresses), device)
+        query = read.query
+        fields += (*tables.aligned([t if t is not None else query for t in read]), last)
+    return tables.address_table(tables.addresses(fields), device)
 
 
 def _group_flags(reads: Sequence[Read]) -> dict:
@@ -52,7 +52,7 @@ def forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_s
     setup = launch.kernel_args("group_forward", width, num_heads)
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
-    programs = launch.group_forward_programs(triton.cdiv(tokens, setup["BLOCK_T"]), len(reads), first.device)
+    programs = launch.group_forward_programs(launch.cdiv(tokens, setup["BLOCK_T"]), len(reads), first.device)
     kernels.route_fwd_kernel[(len(reads) * programs,)](
         table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
         lse if lse is not None else outputs.empty((1,), dtype=torch.float32, device=first.device),  # for the pointer type
@@ -91,8 +91,8 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
                       **setup)
     programs, partials = site.launch_site(arguments, constexprs, sources, rows, flags["HAS_GATE"], total, count)
     task = torch._C._current_graph_task_id()
-    records = [ReadRecord(task, dout, lse[r], total[r], gq[r], terms[r], eps)
-               for r, dout in enumerate(grad_outs)]
+    records = [ReadRecord(task, *fields, eps)
+               for fields in zip(grad_outs, lse.unbind(0), total.unbind(0), gq.unbind(0), terms.unbind(0))]
     params = [t for read in reads for t in read[:rows]]
     grads, dgates = site.sum_partials(partials, programs, width, params,
                                   [read.gate for read in reads] if flags["HAS_GATE"] else [], tile="group")

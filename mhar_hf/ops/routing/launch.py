@@ -97,8 +97,17 @@ def _clear_caches() -> None:
     _resident.clear()
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for the host: that is a constexpr function, whose every call costs microseconds."""
+    return -(-a // b)
+
+
+# read once, as Triton reads it once: when the kernels are decorated (kernels.py, imported first)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRETED
 
 
 def assembly() -> bool:
@@ -133,7 +142,7 @@ def kernel_args(kind: str, width: int, num_heads: int) -> dict:
     if interpreted():  # two column blocks where a GPU launch takes them, so the tests run the split tile
         split = min(2, tiled["DH_LO"]) if kind in _current.column_block_kinds else 1
         return dict(tiled, BLOCK_T=_current.interpreter_rows, num_warps=4, SPLIT=split)
-    warps = min(max(triton.next_power_of_2(triton.cdiv(rows * padded_width(tiled), per_warp)), 1), 8)
+    warps = min(max(triton.next_power_of_2(cdiv(rows * padded_width(tiled), per_warp)), 1), 8)
     return dict(tiled, BLOCK_T=rows, num_warps=warps, SPLIT=column_blocks(kind, tiled, warps))
 
 
@@ -190,7 +199,7 @@ def site_programs(token_blocks: int, source_bytes: int, partial_bytes: int, devi
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
     most = _current.site_programs_max_per_sm or resident
     by_bytes = source_bytes // (_current.site_partials_share * partial_bytes)
-    return min(token_blocks, most * count, max(by_bytes, triton.cdiv(_current.site_programs_per_sm * count, reads)))
+    return min(token_blocks, most * count, max(by_bytes, cdiv(_current.site_programs_per_sm * count, reads)))
 
 
 def fitting_programs(registers: int, warps: int, shared_bytes: int, device: torch.device) -> int:
@@ -236,7 +245,8 @@ def resident_programs(kernel, args: tuple, constexprs: dict, device: torch.devic
     1 where nothing is compiled (the interpreter, or a CPU), where the count does not matter."""
     if interpreted() or device.type != "cuda":
         return 1
-    key = (kernel, device, tuple(sorted(constexprs.items())), tuple(specialized(a) for a in args))
+    # the constexprs in the caller's order, unsorted: another order only adds an entry
+    key = (kernel, device, tuple(constexprs.items()), tuple(map(specialized, args)))
     if key not in _resident:
         compiled = kernel.warmup(*args, grid=(1,), **constexprs)
         compiled._init_handles()  # loads the binary, which sets its register count (n_regs)
@@ -258,4 +268,4 @@ def group_forward_programs(token_blocks: int, reads: int, device: torch.device) 
     count = multiprocessors(device)
     if not count:
         return min(token_blocks, 2)  # the interpreter: several token blocks per program, as on a GPU
-    return min(token_blocks, triton.cdiv(_current.group_forward_programs_per_sm * count, reads))
+    return min(token_blocks, cdiv(_current.group_forward_programs_per_sm * count, reads))

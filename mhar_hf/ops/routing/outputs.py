@@ -10,9 +10,10 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
-import triton
 
 from mhar_hf.routing import gated_dtype
+
+from . import launch
 
 _allocate: Callable[..., torch.Tensor] = torch.empty
 
@@ -45,5 +46,7 @@ def per_read(count: int, shape: tuple[int, ...], device) -> torch.Tensor:
     """fp32 [count, *shape], one block per read of a group, each 16-byte aligned (the source
     kernel reaches a read's blocks through its table; kernels._read_stride steps by the same)."""
     numel = math.prod(shape)
-    stride = triton.cdiv(numel, 4) * 4
-    return empty((count, stride), dtype=torch.float32, device=device)[:, :numel].unflatten(1, shape)
+    if count == 1 or numel % 4 == 0:  # the blocks need no padding: no views to cut them out
+        return empty((count, *shape), dtype=torch.float32, device=device)
+    stride = launch.cdiv(numel, 4) * 4
+    return empty((count, stride), dtype=torch.float32, device=device)[:, :numel].view(count, *shape)

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import triton
 
 from mhar_hf.routing import Read, check_gated, route_reference
 
@@ -49,8 +48,9 @@ def read_forward(sources, table, query, key_norm_weight, null_source, gate, resi
         state = SoftmaxState(outputs.empty((tokens, width), dtype=torch.float32, device=first.device),
                              outputs.empty((2, tokens, num_heads), dtype=torch.float32, device=first.device))
     q2, g2 = second if second is not None else (query, key_norm_weight)
-    stand_in = outputs.empty((1,), dtype=torch.float32, device=first.device)  # for the pointer types
-    kernels.route_fwd_kernel[(triton.cdiv(tokens, setup["BLOCK_T"]),)](
+    # for the pointer types of what this launch does not use
+    stand_in = lse if lse is not None else outputs.empty((1,), dtype=torch.float32, device=first.device)
+    kernels.route_fwd_kernel[(launch.cdiv(tokens, setup["BLOCK_T"]),)](
         table, table, first, query if null_source is None else null_source, query, key_norm_weight,
         query if gate is None else gate, first if residual is None else residual, out,
         lse if lse is not None else stand_in, q2, g2, *(state if state is not None else (stand_in, stand_in)),
@@ -149,7 +149,7 @@ def _record_totals(grad_out, out, query, key_norm_weight, num_heads, sources, ta
     total = outputs.empty((tokens, num_heads), dtype=torch.float32, device=out.device)
     gq = outputs.empty((width + 1,), dtype=torch.float32, device=out.device)
     terms = outputs.empty((len(sources), 2, tokens, num_heads), dtype=torch.float32, device=out.device)
-    kernels.route_total_kernel[(triton.cdiv(tokens, setup["BLOCK_T"]),)](
+    kernels.route_total_kernel[(launch.cdiv(tokens, setup["BLOCK_T"]),)](
         grad_out, out, query, key_norm_weight, total, gq, table, sources[0], terms, first, len(sources), tokens,
         **setup,
     )
@@ -241,9 +241,10 @@ class FusedRouteEnd(torch.autograd.Function):
         sources, table = tables.with_table(sources, rstd)
         out, lse, _ = read_forward(sources[begun:], table[2 * begun:], query, key_norm_weight, None, None, None,
                                    num_heads, eps, store_stats=True, kept=kept, init=SoftmaxState(acc, prefix.state.stat))
-        # detached: the new sources are usually made from the first read's output, so holding
+        # the new sources detached: they are usually made from the first read's output, so holding
         # their marks would close a reference cycle through autograd nodes, which nothing frees
-        prefix.pair.sources, prefix.pair.table, prefix.pair.rstd = [s.detach() for s in sources], table, rstd
+        prefix.pair.sources = [*sources[:begun], *(s.detach() for s in sources[begun:])]
+        prefix.pair.table, prefix.pair.rstd = table, rstd
         ctx.num_heads, ctx.eps, ctx.marks, ctx.pair, ctx.begun = num_heads, eps, marks, prefix.pair, begun
         ctx.save_for_backward(query, key_norm_weight, lse, out)
         return out
@@ -344,7 +345,7 @@ class FusedEndBegun(torch.autograd.Function):
         setup = launch.kernel_args("total", width, ctx.num_heads)
         grad_mix = outputs.empty(ctx.mix_shape, dtype=ctx.mix_dtype, device=grad_out.device)
         grad_lse = outputs.empty(lse.shape, dtype=torch.float32, device=grad_out.device)
-        kernels.route_begun_grad_kernel[(triton.cdiv(tokens, setup["BLOCK_T"]),)](
+        kernels.route_begun_grad_kernel[(launch.cdiv(tokens, setup["BLOCK_T"]),)](
             grad_out, lse.contiguous(), total_lse, record.total, record.terms, ctx.table, grad_mix, grad_lse,
             len(ctx.sources), tokens, **setup,
         )
@@ -355,7 +356,7 @@ def _state(mix, lse):
     """A begun read's state as the forward kernel starts from it (SoftmaxState): the mix
     as its unnormalised sum, the lse as its max, and a sum of 1."""
     tokens = lse.numel() // lse.shape[-1]
-    stat = torch.stack((lse.reshape(tokens, -1), torch.ones_like(lse).reshape(tokens, -1))).contiguous()
+    stat = torch.stack((lse, torch.ones_like(lse))).view(2, tokens, -1)
     (mix,) = tables.aligned((mix,))
     return SoftmaxState(mix, stat)
 

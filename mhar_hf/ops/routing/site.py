@@ -5,7 +5,6 @@ leaves the read's record for its sources."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import kernels, launch, outputs
 
@@ -21,7 +20,7 @@ def launch_site(arguments, constexprs: dict, sources, rows: int, gated: bool, st
     first = sources[0]
     width, device = first.shape[-1], first.device
     resident = launch.resident_programs(kernels.route_site_bwd_kernel, arguments(stand_in), constexprs, device)
-    token_blocks = triton.cdiv(first.numel() // width, constexprs["BLOCK_T"])
+    token_blocks = launch.cdiv(first.numel() // width, constexprs["BLOCK_T"])
     programs = launch.site_programs(token_blocks, first.numel() * first.element_size() * len(sources),
                                     4 * width * rows, device, resident, reads)
     partials = outputs.empty((reads * programs * (rows * width + gated),), dtype=torch.float32, device=device)
@@ -40,8 +39,8 @@ def sum_partials(partials, programs: int, width: int, params, gates, tile: str =
     dgate = outputs.empty((len(gates),), dtype=gates[0].dtype, device=partials.device) if gates else sums
     config = launch.current()
     block_p, block_d = config.partials_tile[tile] if not launch.interpreted() else (32, 64)  # the interpreter: few programs
-    kernels.route_partials_kernel[(rows + len(gates), triton.cdiv(width, block_d))](
+    kernels.route_partials_kernel[(rows + len(gates), launch.cdiv(width, block_d))](
         partials, sums, dgate, programs, rows, D=width, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=config.partials_warps,
     )
     grads = [row.to(p.dtype) for row, p in zip(sums, params)] if mixed else list(sums.unbind(0))
-    return grads, (list(dgate.split(1)) if gates else [])
+    return grads, (list(dgate.view(-1, 1).unbind(0)) if gates else [])

@@ -4,6 +4,10 @@ waiting for the GPU and kept by content, since training steps reuse the same add
 
 from __future__ import annotations
 
+import array
+import functools
+import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -13,8 +17,11 @@ ALIGNMENT = 16  # bytes: kernels._address promises this of every tensor reached 
 
 
 def _host(addresses: Sequence[int]) -> torch.Tensor:
-    """Addresses as an int64 tensor in host memory, also under a `torch.device("cuda")` context."""
-    return torch.tensor(addresses, dtype=torch.int64, device="cpu")
+    """Addresses as an int64 tensor in host memory, also under a `torch.device("cuda")` context
+    (through an array: several times faster than torch.tensor on a list of ints)."""
+    if not addresses:
+        return torch.empty(0, dtype=torch.int64, device="cpu")
+    return torch.frombuffer(array.array("q", addresses), dtype=torch.int64)
 
 
 class _PinnedStaging:
@@ -45,12 +52,6 @@ class _PinnedStaging:
 
 
 _staging: dict[torch.device, _PinnedStaging] = {}
-
-
-_staging: dict[torch.device, _PinnedStaging] = {}
-_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-
-
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 MAX_TABLES = 4096
 
@@ -108,7 +109,7 @@ def address_table(addresses: tuple[int, ...], device) -> torch.Tensor:
     made under CUDA graph capture is not kept either: its contents exist only once replayed."""
     if _capturing(device):
         return upload(addresses, device)
-    key = (device, *addresses)
+    key = (device, addresses)
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = upload(addresses, device)
@@ -127,16 +128,20 @@ def aligned(tensors) -> list[torch.Tensor]:
 
 
 def addresses(tensors) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for t in tensors)
+    return tuple(map(torch.Tensor.data_ptr, tensors))
 
 
-def with_table(sources, rstd: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+def with_table(sources, rstd: Sequence[torch.Tensor] | None = None) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
     """The sources as the kernels take them (`aligned`), and their table: per source the
     addresses of its rows and of its rstd (`rstd`, fp32 [T] each, from `sources.source_rstd`). Without
     them the rows' address stands in: a forward that keeps nothing sums every rstd itself."""
-    sources = aligned(sources)
-    pairs = zip(addresses(sources), addresses(rstd if rstd is not None else sources))
-    return sources, address_table(tuple(address for pair in pairs for address in pair), sources[0].device)
+    rows = addresses(sources)
+    # every address is aligned when their bitwise OR is: the usual case, checked without a Python step per source
+    if functools.reduce(operator.or_, rows) % ALIGNMENT or not all(map(torch.Tensor.is_contiguous, sources)):
+        sources = aligned(sources)
+        rows = addresses(sources)
+    pairs = zip(rows, addresses(rstd) if rstd is not None else rows)
+    return sources, address_table(tuple(itertools.chain.from_iterable(pairs)), sources[0].device)
 
 
 def clear() -> None:
