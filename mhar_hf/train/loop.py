@@ -362,7 +362,10 @@ def save_final_model(accelerator, model, tokenizer, ema, output: Path, args, met
                 unwrapped.save_pretrained(tmp)
             else:
                 weights = state_dict if state_dict is not None else unwrapped.state_dict()
-                weights = {name: t.to(save_dtype) if t.is_floating_point() else t for name, t in weights.items()}
+                # cast on the way to host memory, a tensor at a time: a copy of the whole model in
+                # the save dtype beside the fp32 weights would not fit a GPU that trained near full
+                weights = {name: t.to("cpu", save_dtype if t.is_floating_point() else t.dtype)
+                           for name, t in weights.items()}
                 unwrapped.save_pretrained(tmp, state_dict=weights)
                 config = AutoConfig.from_pretrained(tmp)  # save_pretrained records the model's own dtype
                 config.dtype = save_dtype
