@@ -276,8 +276,14 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+_kernels_module = None  # imported once: an import statement costs every read a few microseconds
+
+
 def _fused_kernels(required: bool):
     """The fused kernels module (`fused_route`, `fused_route_group`, `track`, ...), or None when not installed."""
+    global _kernels_module
+    if _kernels_module is not None:
+        return _kernels_module
     try:
         from mhar_hf.ops import routing as kernels
     except ImportError:
@@ -287,4 +293,5 @@ def _fused_kernels(required: bool):
                 "(pip install 'mhar-hf[kernels]'); use 'auto' or 'reference' instead."
             ) from None
         return None
+    _kernels_module = kernels
     return kernels

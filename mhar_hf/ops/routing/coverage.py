@@ -18,6 +18,23 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
                        residual=None, next_query=None):
     """Why the kernels cannot run this call (a sentence), or None when they can; `next_query`: the
     query of a read begun in the same pass (`route_and_start`), checked like `query`."""
+    return _reason(sources, num_heads, (query, null_source, next_query), residual)
+
+
+def group_unsupported_reason(sources: Sequence[torch.Tensor], reads: Sequence[Read], num_heads: int):
+    """`unsupported_reason` for a group of reads (`fused_route_group`), or None when it runs."""
+    kinds = {(r.null_source is not None, r.gate is not None) for r in reads}
+    if len(kinds) > 1:
+        return "fused routing groups reads that all have, or all lack, a null source and a gate"
+    dtypes = {tuple(t.dtype for t in r if t is not None) for r in reads}
+    if len(dtypes) > 1:
+        return "fused routing groups reads whose parameters share their dtypes"
+    return _reason(sources, num_heads, [t for r in reads for t in (r.query, r.null_source)])
+
+
+def _reason(sources, num_heads: int, vectors, residual=None):
+    """`unsupported_reason` of sources read with these routing vectors (None: absent), each
+    source checked once however many reads take it."""
     if not sources:
         return None
     first = sources[0]
@@ -29,26 +46,10 @@ def unsupported_reason(sources: Sequence[torch.Tensor], query: torch.Tensor, num
     if residual is not None and (residual.shape != shape or residual.device != device or residual.dtype not in SOURCE_DTYPES):
         return f"fused routing needs the residual shaped like the sources ({tuple(shape)}) on {device}"
     width = shape[-1]
-    tensors = [t for t in (query, null_source, next_query) if t is not None]
-    if any(t.numel() != width or t.device != device for t in tensors) or width % num_heads:
+    if any(t is not None and (t.numel() != width or t.device != device) for t in vectors) or width % num_heads:
         return f"fused routing needs [{width}] routing vectors on {device} and heads dividing {width}"
     # traced (torch.compile), the tile is computed outside its cache, which Dynamo would warn of
     tile = launch.tile.__wrapped__ if torch.compiler.is_compiling() else launch.tile
     if launch.padded_width(tile(width, num_heads)) > MAX_TILE:
         return f"fused routing covers widths up to {MAX_TILE} (padded per head); got d={width}, H={num_heads}"
-    return None
-
-
-def group_unsupported_reason(sources: Sequence[torch.Tensor], reads: Sequence[Read], num_heads: int):
-    """`unsupported_reason` for a group of reads (`fused_route_group`), or None when it runs."""
-    kinds = {(r.null_source is not None, r.gate is not None) for r in reads}
-    if len(kinds) > 1:
-        return "fused routing groups reads that all have, or all lack, a null source and a gate"
-    dtypes = {tuple(t.dtype for t in r if t is not None) for r in reads}
-    if len(dtypes) > 1:
-        return "fused routing groups reads whose parameters share their dtypes"
-    for read in reads:
-        reason = unsupported_reason(sources, read.query, num_heads, read.null_source)
-        if reason is not None:
-            return reason
     return None

@@ -11,6 +11,7 @@ its newest source, orders every source's backward after its own.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -34,8 +35,11 @@ def source_rstd(sources, marks, eps: float) -> tuple[list[torch.Tensor], int]:
     rows = kept
     if len(kept) < len(sources):
         first = sources[0]
-        fresh = outputs.per_read(len(sources) - len(kept), (first.numel() // first.shape[-1],), first.device)
-        rows = [*kept, *fresh.unbind(0)]
+        count, shape = len(sources) - len(kept), (first.numel() // first.shape[-1],)
+        # one row: allocated alone, as it costs a torch call less than per_read's block of rows
+        fresh = (outputs.empty(shape, dtype=torch.float32, device=first.device),) if count == 1 else \
+            outputs.per_read(count, shape, first.device).unbind(0)
+        rows = [*kept, *fresh]
         if keep:
             for mark, position in marks[len(kept):]:
                 if mark.rstd is None:
@@ -49,12 +53,15 @@ class _Chain:
     autograd input, its newest source's mark, for all of its sources to wait for it.
 
     A mark made after one that is not its chain's newest (a layer recomputed under activation
-    checkpointing does that) starts a branch: a new chain whose `parent` is where it leaves."""
+    checkpointing does that) starts a branch: a new chain whose `parent` is where it leaves.
 
-    __slots__ = ("tip", "parent")
+    `ids`: the id of each mark's node, by position. A mark holds the one before it (DepthSource's
+    `previous`), so while one lives, the ids of those before it name them and no other object."""
+
+    __slots__ = ("ids", "parent")
 
     def __init__(self, parent: tuple[_Chain, int] | None = None):
-        self.tip, self.parent = -1, parent
+        self.ids, self.parent = [], parent
 
 
 def _precedes(node, newest) -> bool:
@@ -99,6 +106,7 @@ class DepthSource(torch.autograd.Function):
 
 
 _DEPTH_NODE = DepthSource._backward_cls
+_GRAD_FN = operator.attrgetter("grad_fn")
 
 
 def _mark(source: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
@@ -106,12 +114,13 @@ def _mark(source: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
     node = after.grad_fn if after is not None else None
     if not isinstance(node, _DEPTH_NODE):
         chain, after = _Chain(), None
-    elif node.chain.tip == node.position:
+    elif len(node.chain.ids) == node.position + 1:  # the chain's newest
         chain = node.chain
     else:
         chain = _Chain(parent=(node.chain, node.position))
-    chain.tip += 1
-    return DepthSource.apply(source, after, chain, chain.tip)
+    marked = DepthSource.apply(source, after, chain, len(chain.ids))
+    chain.ids.append(id(marked.grad_fn))
+    return marked
 
 
 def track(source: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +138,14 @@ def on_one_chain(sources, begun: int = 0) -> tuple[tuple, list, torch.Tensor | N
     are; others are marked here. The first `begun` sources are a begun read's, already on one
     chain (`reads.ReadPrefix.marked`): sources after them are marked after them, so that the pair's
     site backward, which writes terms the second read's sources use, runs before any of theirs."""
-    marks = [(s.grad_fn, i) for i, s in enumerate(sources) if s.requires_grad]
+    nodes = list(map(_GRAD_FN, sources))
+    newest = nodes[-1]
+    # full mode's reads: the marks of the newest one's chain from its first, in order (_Chain.ids),
+    # checked without a Python step per source
+    if (isinstance(newest, _DEPTH_NODE) and newest.position == len(nodes) - 1
+            and newest.chain.ids[:len(nodes)] == list(map(id, nodes))):
+        return sources, list(zip(nodes, range(len(nodes)))), sources[-1]
+    marks = [(node, i) for i, (node, s) in enumerate(zip(nodes, sources)) if s.requires_grad]
     if not marks:
         return sources, [], None
     newest = marks[-1][0]

@@ -301,11 +301,11 @@ class FusedBeginGroup(torch.autograd.Function):
         lse_grad = None
         if any(g is not None for g in grads[count:]):
             lse_grad = outputs.per_read(count, lse.shape[1:], first.device)
-            for r, g in enumerate(grads[count:]):
+            for row, g in zip(lse_grad.unbind(0), grads[count:]):  # one unbind, not two indexings a read
                 if g is None:
-                    lse_grad[r].zero_()
+                    row.zero_()
                 else:
-                    lse_grad[r].copy_(g.reshape(lse_grad[r].shape))
+                    row.copy_(g.reshape(row.shape))
         per_read, records = group._site_backward_group(ctx.sources, ctx.table, reads, ctx.num_heads, ctx.eps, lse,
                                                        grad_mixes, lse_grad)
         for record in records:
