@@ -12,6 +12,8 @@ backward's passes over their common sources.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -179,7 +181,7 @@ class ReadPrefix:
         if self.ended:
             raise ValueError("this prefix already ended a read: a begun read ends once")
         k = len(self.sources)
-        if len(sources) <= k or any(a is not b for a, b in zip(sources, self.sources)):
+        if len(sources) <= k or not all(map(operator.is_, sources, self.sources)):
             raise ValueError(f"a begun read ends with the {k} sources it began with, then at least one more; "
                              f"got {len(sources)} sources that do not start with those")
         if query is not self.query or key_norm_weight is not self.key_norm_weight:
@@ -236,7 +238,8 @@ class FusedRouteEnd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_heads, eps, sources, marks, prefix, acc, query, key_norm_weight, newest):
         begun = len(prefix.sources)
-        added, kept = source_rstd(sources[begun:], [(m, p - begun) for m, p in marks if p >= begun], eps)
+        newer = bisect.bisect_left(marks, begun, key=operator.itemgetter(1))  # marks are in the sources' order
+        added, kept = source_rstd(sources[begun:], [(m, p - begun) for m, p in marks[newer:]], eps)
         rstd = [*prefix.pair.rstd, *added]
         sources, table = tables.with_table(sources, rstd)
         out, lse, _ = read_forward(sources[begun:], table[2 * begun:], query, key_norm_weight, None, None, None,
