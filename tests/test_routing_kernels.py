@@ -686,6 +686,56 @@ def test_sources_at_unaligned_addresses(monkeypatch, dtype=DTYPES[-1]):
         assert rel_rms(grad, expected) < TOLERANCE[dtype]
 
 
+def test_a_groups_copies_of_misaligned_parameters_live_until_its_launches(monkeypatch, dtype=DTYPES[-1]):
+    """A read's parameter off a 16-byte boundary (a view into a larger buffer, as flat-parameter
+    wrappers make) is copied for the group's read table, and nothing else holds the copy: it must
+    live until the forward and site launches have read it. The reads stay exact."""
+    copies, alive = [], []
+    aligned = tables.aligned
+
+    def record_copies(tensors):
+        out = aligned(tensors)
+        copies.extend(weakref.ref(c) for c, t in zip(out, tensors, strict=True) if c is not t)
+        return out
+
+    class CheckingCopies(LaunchSpy):
+        def __getitem__(self, grid):
+            launch = super().__getitem__(grid)
+
+            def checked(*args, **kwargs):
+                alive.append(bool(copies) and all(ref() is not None for ref in copies))
+                copies.clear()
+                return launch(*args, **kwargs)
+
+            return checked
+
+    monkeypatch.setattr(tables, "aligned", record_copies)
+    for name in ("route_fwd_kernel", "route_site_bwd_kernel"):
+        monkeypatch.setattr(kernels, name, CheckingCopies(getattr(kernels, name)))
+    sources, params = group_inputs(3, 64, 9, 1, 2, True, dtype)
+    buffer = torch.zeros(65, device=DEVICE, dtype=dtype)
+    buffer[1:].copy_(params[1][0])
+    buffer.requires_grad_()
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    query = buffer[1:]  # one element past an aligned start
+    assert query.data_ptr() % 16
+    reads = [Read(*params[0]), Read(query, *params[1][1:])]
+    outs = route_group(leaves, reads, 4, EPS, "fused")
+    grad_outs = [torch.randn_like(out) for out in outs]
+    torch.autograd.backward(outs, grad_outs)
+    assert alive == [True, True]  # the forward launch, then the site launch
+    twins = [fp64(s).requires_grad_() for s in sources]
+    twin_query = fp64(params[1][0]).requires_grad_()
+    expected = route_group(twins, [Read(*map(fp64, params[0])), Read(twin_query, *map(fp64, params[1][1:]))], 4, EPS,
+                           "reference")
+    torch.autograd.backward(expected, [fp64(g) for g in grad_outs])
+    for out, ref in zip(outs, expected, strict=True):
+        assert rel_rms(out, ref) < TOLERANCE[dtype]
+    assert rel_rms(buffer.grad[1:], twin_query.grad) < TOLERANCE[dtype]
+    for leaf, twin in zip(leaves, twins, strict=True):
+        assert rel_rms(leaf.grad, twin.grad) < TOLERANCE[dtype]
+
+
 def test_a_partial_backward_leaves_nothing_behind():
     """autograd.grad on the query alone runs the reads' backward but not the sources': a later
     full backward must not count the records that pass left."""

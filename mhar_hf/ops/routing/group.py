@@ -15,14 +15,16 @@ from . import kernels, launch, outputs, site, tables
 from .depth_sources import ReadRecord, leave, needs_grad, on_one_chain, source_rstd
 
 
-def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) -> torch.Tensor:
+def _read_table(reads: Sequence[Read], lasts: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, list]:
     """A group's read table (kernels.READ_FIELDS): per read its parameters (the query stands in
-    for an absent null source or gate) and `lasts`, its output or output gradient."""
+    for an absent null source or gate) and `lasts`, its output or output gradient; and the tensors
+    it addresses, which the caller holds until the launch (a misaligned parameter's aligned copy
+    exists nowhere else)."""
     fields = []
     for read, last in zip(reads, lasts):
         query = read.query
         fields += (*tables.aligned([t if t is not None else query for t in read]), last)
-    return tables.address_table(tables.addresses(fields), device)
+    return tables.address_table(tables.addresses(fields), device), fields
 
 
 def _group_flags(reads: Sequence[Read]) -> dict:
@@ -53,8 +55,9 @@ def forward_group(sources, table, reads: Sequence[Read], num_heads, eps, store_s
     null, query, key_norm_weight, gate = _stand_ins(head)
     flags = _group_flags(reads)
     programs = launch.group_forward_programs(launch.cdiv(tokens, setup["BLOCK_T"]), len(reads), first.device)
+    read_table, _addressed = _read_table(reads, outs, first.device)
     kernels.route_fwd_kernel[(len(reads) * programs,)](
-        table, _read_table(reads, outs, first.device), first, null, query, key_norm_weight, gate, first, outs[0],
+        table, read_table, first, null, query, key_norm_weight, gate, first, outs[0],
         lse if lse is not None else outputs.empty((1,), dtype=torch.float32, device=first.device),  # for the pointer type
         query, key_norm_weight, outs[0], outs[0], len(sources), kept, len(reads), tokens, eps,
         STORE_STATS=store_stats, HAS_INIT=False, HAS_SECOND=False, **flags, **setup,
@@ -79,7 +82,7 @@ def _site_backward_group(sources, table, reads: Sequence[Read], num_heads, eps, 
     gq = outputs.per_read(count, (width + 1,), device)
     terms = outputs.per_read(count, (len(sources), 2, tokens, num_heads), device)
     null, query, key_norm_weight, gate = _stand_ins(head)
-    read_table = _read_table(reads, grad_outs, device)
+    read_table, _addressed = _read_table(reads, grad_outs, device)
 
     def arguments(partials):
         return (table, read_table, first, null, query, key_norm_weight, gate, lse, grad_outs[0], grad_outs[0], total,
