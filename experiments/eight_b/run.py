@@ -514,7 +514,9 @@ def step_generate(work: Work) -> None:
 
         for batch in sorted({1, settings["batch"]}):
             ids = prompts[:batch]
-            timed_generate(model, ids, 2, tokenizer.eos_token_id, sync)  # warm-up: kernels compiled, allocator grown
+            # warm-up as long as the timed run: kernels compiled, and the allocator holds the blocks a
+            # cache of every length up to the last takes (growing it costs device allocations)
+            timed_generate(model, ids, settings["new_tokens"], tokenizer.eos_token_id, sync)
             _, first_s = timed_generate(model, ids, 1, tokenizer.eos_token_id, sync)
             tokens, total_s = timed_generate(model, ids, settings["new_tokens"], tokenizer.eos_token_id, sync)
             new = settings["new_tokens"]
