@@ -217,12 +217,12 @@ def route_begin_group(
     implementation: str = "auto",
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Reads that each take `sources` and then newer ones, begun together (block mode's reads of
-    one block over its finished blocks, full mode's reads of a group of layers over the sources made
-    before it; docs/kernels.md, two-phase reads). On the fused path one
-    launch over the sources gives each ungated `Read` its state (mix, lse), and `route(sources +
-    newer, query, key_norm_weight, ..., prefix=(mix, lse, len(sources)))` ends it, folding in only
-    the newer sources. Elsewhere (also traced by torch.compile, or a call the kernels do not
-    cover, which the reads themselves then report) None: each read runs whole."""
+    one block over its finished blocks, full mode's reads of a group of layers over the sources
+    made before it; docs/kernels.md, two-phase reads). On the fused path one launch over the
+    sources gives each ungated `Read` its state (mix, lse), and `route(sources + newer, query,
+    key_norm_weight, ..., prefix=(mix, lse, len(sources)))` ends it, folding in only the newer
+    sources. Elsewhere (also traced by torch.compile, or a call the kernels do not cover, which
+    the reads themselves then report) None: each read runs whole."""
     kernels = _kernels_for(implementation, sources[0]) if sources and not torch.compiler.is_compiling() else None
     if kernels is None or kernels.unsupported_reason(sources, reads[0].query, num_heads) is not None:
         return None
