@@ -151,6 +151,15 @@ def _per_head(v):
 
 
 @triton.jit
+def _token_block(tok, T, head, D: tl.constexpr, H: tl.constexpr):
+    """For tokens `tok` ([BLOCK_T]): their rows' offsets and in-range mask against the row tiles,
+    and the offsets and mask of their per-head statistics ([BLOCK_T, H_PAD], row-major [T, H])."""
+    live = tok < T
+    return (_per_token(tok).to(tl.int64) * D, _per_token(live),
+            tok[:, None] * H + head[None, :], live[:, None] & (head < H)[None, :])
+
+
+@triton.jit
 def _as_row(t):
     """A vector's tile (a routing parameter's, as _row_layout shapes it) as one row of a row tile."""
     return t[None, :, :, :]
@@ -361,10 +370,7 @@ def _forward_rows(
     """route_fwd_kernel's work on token block `block`, given what its program computed once."""
     cols = (col_lo, mask_lo, col_hi, mask_hi)
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_offs = _per_token(tok).to(tl.int64) * D
-    in_range = _per_token(tok < T)
-    stat_offs = tok[:, None] * H + head[None, :]
-    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    row_offs, in_range, stat_offs, stat_mask = _token_block(tok, T, head, D, H)
     if HAS_INIT:  # masked entries get a harmless state (max 0, sum 1)
         m = tl.load(prefix_stat_ptr + stat_offs, mask=stat_mask, other=0.0)
         l = tl.load(prefix_stat_ptr + T * H + stat_offs, mask=stat_mask, other=1.0)
@@ -547,12 +553,9 @@ def route_site_bwd_kernel(
 
     for block in range(pid, tl.cdiv(T, BLOCK_T), programs):  # programs past the end write zeros
         tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_offs = _per_token(tok).to(tl.int64) * D
-        in_range = _per_token(tok < T)
+        row_offs, in_range, stat_offs, stat_mask = _token_block(tok, T, head, D, H)
         dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
         # +inf outside the tile makes every weight there exactly 0, so padded rows contribute nothing
-        stat_offs = tok[:, None] * H + head[None, :]
-        stat_mask = (tok < T)[:, None] & (head < H)[None, :]
         lse = tl.load(lse_ptr + stat_offs, mask=stat_mask, other=float("inf"))
         if HAS_SECOND:
             dout2_lo, dout2_hi = _load_rows(dout2_ptr, row_offs, in_range, *cols, PTX)
@@ -688,10 +691,7 @@ def route_total_kernel(
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    row_offs = _per_token(tok).to(tl.int64) * D
-    in_range = _per_token(tok < T)
-    stat_offs = tok[:, None] * H + head[None, :]
-    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    row_offs, in_range, stat_offs, stat_mask = _token_block(tok, T, head, D, H)
     dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
     out_lo, out_hi = _load_rows(out_ptr, row_offs, in_range, *cols, PTX)
     tl.store(total_ptr + stat_offs, _head_dots(dout_lo, dout_hi, out_lo, out_hi), mask=stat_mask)
@@ -718,10 +718,7 @@ def route_begun_grad_kernel(
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    row_offs = _per_token(tok).to(tl.int64) * D
-    in_range = _per_token(tok < T)
-    stat_offs = tok[:, None] * H + head[None, :]
-    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    row_offs, in_range, stat_offs, stat_mask = _token_block(tok, T, head, D, H)
     total_lse = tl.load(total_lse_ptr + stat_offs, mask=stat_mask, other=0.0)
     kept = _per_head(_exp(tl.load(lse_ptr + stat_offs, mask=stat_mask, other=0.0) - total_lse))
     dout_lo, dout_hi = _load_rows(dout_ptr, row_offs, in_range, *cols, PTX)
@@ -803,10 +800,7 @@ def route_source_bwd_kernel(
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head, col_lo, mask_lo, col_hi, mask_hi = _row_layout(H, DH, H_PAD, DH_LO, DH_HI, SPLIT)
     cols = (col_lo, mask_lo, col_hi, mask_hi)
-    row_offs = _per_token(tok).to(tl.int64) * D
-    in_range = _per_token(tok < T)
-    stat_offs = tok[:, None] * H + head[None, :]
-    stat_mask = (tok < T)[:, None] & (head < H)[None, :]
+    row_offs, in_range, stat_offs, stat_mask = _token_block(tok, T, head, D, H)
     rows = (row_offs, in_range, stat_offs, stat_mask, col_lo, mask_lo, col_hi, mask_hi)
 
     x_lo, x_hi = _load_rows(src_ptr, row_offs, in_range, *cols, PTX)
