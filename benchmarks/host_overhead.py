@@ -1,6 +1,7 @@
-"""Host time the fused routing path adds to a training step, measured without a GPU.
+"""Host time the fused routing path adds to a training step or a decoded token, measured without a GPU.
 
     python benchmarks/host_overhead.py --preset 350M
+    python benchmarks/host_overhead.py --preset 1B --workload generate
 
 At the paper's micro-batches the MHAR step is bound by the host (BENCHMARKS.md), so the Python
 work around each routing kernel matters. This runs a model with a preset's layer count but a
@@ -8,7 +9,9 @@ tiny width and a few tokens on the CPU, with every routing kernel launch replace
 (the Triton interpreter mode only lets the fused path accept CPU tensors), and compares the step
 time with the same model in `standard` mode, which has no routing at all. The difference, per
 routing site, is the host cost of dispatch, autograd functions, address tables and bookkeeping;
-the Triton launch itself (tens of microseconds on a GPU) is not included. The modes take turns,
+the Triton launch itself (tens of microseconds on a GPU) is not included. `--workload generate`
+times greedy `model.generate` instead, per decoded token (batch 1, dynamic cache: eager decoding,
+where a GPU waits on the host). The modes take turns,
 `--rounds` times, and each keeps its fastest round: on a shared machine a mode timed once, alone,
 can be slowed by whatever else runs then. Each mode's figures are appended to
 `results/host_overhead.jsonl` (`results_log.py`; gpu "cpu": no GPU takes part).
@@ -33,22 +36,17 @@ class NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def training_step(mode: str, preset: str):
-    """One training step of the small model in `mode` (warmed up), and its routing sites."""
+def small_model(mode: str, preset: str) -> MHARForCausalLM:
+    """A model with the preset's depth and routing but width 64, in `mode`, on the fused path."""
     config = MHARConfig.from_preset(
         preset, residual_mode=mode, routing_implementation="fused", hidden_size=64, intermediate_size=64,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128,
     )
     torch.manual_seed(0)
-    model = MHARForCausalLM(config)
-    ids = torch.randint(0, 128, (1, 8))
+    return MHARForCausalLM(config)
 
-    def step():
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    for _ in range(3):
-        step()
-    return step, sum(1 for m in model.modules() if type(m).__name__ == "MHARRouter")
+DECODED = 32  # tokens a timed generation decodes after its first
 
 
 def timed_ms(step, steps: int) -> float:
@@ -58,10 +56,33 @@ def timed_ms(step, steps: int) -> float:
     return (time.perf_counter() - began) * 1e3 / steps
 
 
-def step_ms(mode: str, preset: str, steps: int) -> tuple[float, int]:
-    """Milliseconds per step in `mode`, timed once, and the routing sites (for profiling scripts)."""
-    step, sites = training_step(mode, preset)
-    return timed_ms(step, steps), sites
+def workload_timer(mode: str, preset: str, workload: str):
+    """`ms(runs)`: milliseconds per training step (8 tokens) or per token decoded (greedy generate,
+    batch 1, dynamic cache, DECODED tokens after an 8-token prompt and the first token) of the
+    small model in `mode`, warmed up; and the model's routing sites."""
+    model = small_model(mode, preset)
+    ids = torch.randint(0, 128, (1, 8))
+
+    def train():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    def generate(new: int):
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    def decoded_ms(runs: int) -> float:  # the prefill and first token timed alone, and taken off
+        whole = timed_ms(lambda: generate(1 + DECODED), runs)
+        return (whole - timed_ms(lambda: generate(1), runs)) / DECODED
+
+    if workload == "generate":
+        model.eval()
+        ms = decoded_ms
+    else:
+        def ms(runs: int) -> float:
+            return timed_ms(train, runs)
+    ms(3)
+    return ms, sum(1 for m in model.modules() if type(m).__name__ == "MHARRouter")
 
 
 def main():
@@ -69,23 +90,30 @@ def main():
     parser.add_argument("--preset", default="350M", choices=["100M", "350M", "1B"])
     parser.add_argument("--steps", type=int, default=30, help="steps per mode and round")
     parser.add_argument("--rounds", type=int, default=5, help="turns each mode takes; its fastest counts")
+    parser.add_argument("--workload", choices=("train", "generate"), default="train",
+                        help=f"a training step of 8 tokens, or a token decoded by greedy generate "
+                             f"(batch 1, {DECODED} tokens after an 8-token prompt; steps: generations)")
     args = parser.parse_args()
     for name in kernels.ENTRY_POINTS:
         setattr(kernels, name, NoLaunch())
     torch.set_num_threads(1)
     began = utc_now()
     with outputs.allocating(torch.zeros):  # what the skipped kernels would have written
-        steps = {mode: training_step(mode, args.preset) for mode in ("standard", "full", "block", "delta")}
-        fastest = dict.fromkeys(steps, float("inf"))
+        timers = {mode: workload_timer(mode, args.preset, args.workload) for mode in ("standard", "full", "block", "delta")}
+        fastest = dict.fromkeys(timers, float("inf"))
         for _ in range(args.rounds):
-            for mode, (step, _) in steps.items():
-                fastest[mode] = min(fastest[mode], timed_ms(step, args.steps))
+            for mode, (ms, _) in timers.items():
+                fastest[mode] = min(fastest[mode], ms(args.steps))
     plain = fastest.pop("standard")
-    measured = {mode: (routed, steps[mode][1]) for mode, routed in fastest.items()}
+    measured = {mode: (routed, timers[mode][1]) for mode, routed in fastest.items()}
+    unit = "token" if args.workload == "generate" else "step"
     for mode, (routed, sites) in measured.items():
-        print(f"{args.preset} {mode}: step {routed:.2f} ms vs standard {plain:.2f} ms: "
-              f"routing host time {routed - plain:.2f} ms per step, {1e3 * (routed - plain) / sites:.0f} us per site")
-        append_result("host_overhead", dict(preset=args.preset, mode=mode, steps=args.steps),
+        print(f"{args.preset} {args.workload} {mode}: {routed:.2f} ms per {unit} vs standard {plain:.2f} ms: "
+              f"routing host time {routed - plain:.2f} ms per {unit}, {1e3 * (routed - plain) / sites:.0f} us per site")
+        config = dict(preset=args.preset, mode=mode, steps=args.steps)
+        if args.workload == "generate":  # training rows predate the field
+            config["workload"] = "generate"
+        append_result("host_overhead", config,
                       dict(step_ms=round(routed, 3), standard_step_ms=round(plain, 3), sites=sites,
                            host_ms_per_step=round(routed - plain, 3),
                            host_us_per_site=round(1e3 * (routed - plain) / sites)),

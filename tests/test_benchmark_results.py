@@ -195,6 +195,23 @@ def test_host_overhead_on_the_cpu_appends_a_row_per_mode(tmp_path):
         assert metrics["host_ms_per_step"] == pytest.approx(metrics["step_ms"] - metrics["standard_step_ms"], abs=2e-3)
 
 
+def test_host_overhead_of_decoding_records_its_workload(tmp_path):
+    """`--workload generate`: a row per mode, per decoded token, named as decoding (training rows
+    carry no workload)."""
+    env = {**os.environ, "MHAR_RESULTS_DIR": str(tmp_path), "MHAR_COMMIT": "0123abc"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    done = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--preset", "100M", "--steps", "1",
+                           "--rounds", "1", "--workload", "generate"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ms per token" in done.stdout
+    rows = results_log.read_results("host_overhead", tmp_path)
+    assert [r["config"] for r in rows] == [{"preset": "100M", "mode": m, "steps": 1, "workload": "generate"}
+                                           for m in ("full", "block", "delta")]
+    assert [schema_errors(r, "host_overhead") for r in rows] == [[], [], []]
+    assert all(r["metrics"]["standard_step_ms"] > 0 and r["metrics"]["sites"] > 0 for r in rows)
+
+
 def test_bench_train_records_each_measured_configuration(tmp_path):
     """bench_train.record: a row per timed training configuration (an out-of-memory one flagged, a
     skipped one left out) and one per variant's kernels, each with the run's date, GPU and commit."""
