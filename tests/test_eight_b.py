@@ -120,6 +120,11 @@ def test_generation_rows_of_the_plain_converted_and_midtrained_models(pipeline):
     assert all(m["tokens_per_s"] > 0 and m["ttft_s"] > 0 for m in found.values())
     assert found[("mhar-delta-h8", 1)]["same_tokens_as_llama"] and found[("mhar-delta-h8", batch)]["same_tokens_as_llama"]
     assert found[("mhar-delta-h8-midtrained", 1)]["gate_abs_mean"] > 0
+    for (model, b), metrics in found.items():  # timed in the same rounds as the plain model, against it
+        assert metrics["repeats"] == eight_b.SETTINGS["tiny"]["repeats"]
+        if model != "llama":
+            plain = found[("llama", b)]
+            assert metrics["tokens_per_s_ratio_vs_llama"] == pytest.approx(metrics["tokens_per_s"] / plain["tokens_per_s"])
 
 
 def test_an_opened_gate_fails_the_identity_step(pipeline, tmp_path):
@@ -154,3 +159,11 @@ def test_pieces_past_the_deadline_are_skipped_and_fail_the_run(tmp_path):
     status = eight_b.main(["--shape", "tiny", "--inline", "--work", str(tmp_path / "work"), "--results",
                            str(tmp_path / "results"), "--deadline-minutes", "0", "convert"])
     assert status == 1 and not (tmp_path / "work" / "llama-3.1-8b").exists() and not (tmp_path / "results").exists()
+
+
+def test_a_model_named_twice_for_generation_is_refused(tmp_path, capsys):
+    """The models are loaded together and timed in turns: naming one twice is an error, not a second copy."""
+    with pytest.raises(SystemExit) as exit_info:
+        eight_b.main(["--shape", "tiny", "--work", str(tmp_path), "generate", "--generate-models", "llama,mhar,llama"])
+    assert exit_info.value.code == 2
+    assert "name each model once" in capsys.readouterr().err

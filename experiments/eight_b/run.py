@@ -19,8 +19,8 @@ so any one of them runs alone on a fresh machine):
   train-routing  the same run of the converted model with --train-only-routing
   generate       greedy `model.generate` at batch 1 and --batch: time to first token and tokens/s
                  of the plain Llama, the converted model and, when `train` ran in this --work, the
-                 mid-trained one (its LoRA adapter merged); whether converted and plain agree token
-                 for token
+                 mid-trained one (its LoRA adapter merged), loaded together and timed in turns;
+                 whether converted and plain agree token for token
 
 Every step appends rows (benchmarks/results_log.py's schema) to --results: eight_b_convert.jsonl,
 eight_b_verify.jsonl, eight_b_train.jsonl, eight_b_generate.jsonl. A piece that the time left
@@ -61,10 +61,10 @@ HEADS, NUM_BLOCKS = 8, 8
 SETTINGS = {
     "8b": dict(device="cuda", dtype="bfloat16", mixed_precision="bf16", seq_length=4096, steps=12, batch_size=1,
                lora_rank=16, lr=1e-4, corpus_mb=2.0, prompt_tokens=128, new_tokens=128, batch=32,
-               max_new_tokens_verify=32),
+               repeats=3, max_new_tokens_verify=32),
     "tiny": dict(device="cpu", dtype="float32", mixed_precision="no", seq_length=64, steps=2, batch_size=1,
                  lora_rank=4, lr=1e-3, corpus_mb=0.3, prompt_tokens=8, new_tokens=4, batch=4,
-                 max_new_tokens_verify=4),
+                 repeats=2, max_new_tokens_verify=4),
 }
 MODEL_GB, COPY_GB = 17, 17  # the source or the converted model (16 GB each); the timed plain copy
 # Seconds each piece may take at 8B on an H100 (the upper ends of README.md's estimates): a piece
@@ -468,6 +468,9 @@ def timed_generate(model, ids, new: int, pad: int, sync):
 
 
 def step_generate(work: Work) -> None:
+    """Every model of `--generate-models` loaded at once (three 8B models take 48 GB), then timed in
+    turns, `repeats` rounds, each keeping its fastest: the host paces eager decoding at these sizes
+    and its pace drifts over minutes, so models timed one after another are not compared."""
     if not (ensure_converted(work) and ensure_corpus(work)):
         return
     import torch
@@ -478,27 +481,24 @@ def step_generate(work: Work) -> None:
     settings = work.settings
     device = torch.device(settings["device"])
     dtype = getattr(torch, settings["dtype"])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     tokenizer = AutoTokenizer.from_pretrained(work.llama)
+    pad = tokenizer.eos_token_id
     prompts = prompt_batch(work, tokenizer, settings["batch"], settings["prompt_tokens"]).to(device)
     adapter = work.run_dir("mhar-lora") / "model"
     available = {"llama": ("llama", work.llama, None), "mhar": ("mhar-delta-h8", work.mhar, None),
                  "midtrained": ("mhar-delta-h8-midtrained", work.mhar, adapter)}
-    models = []
+    loaded = []  # (name, model, load seconds, mean |gate| of a mid-trained model)
     for key in work.generate_models:
         if key == "midtrained" and not (adapter / "adapter_config.json").exists():
             log("generate: no mid-trained model (run the train step first in this --work); left out")
             if work.explicit_models:
                 work.failures.append("generate: midtrained asked for, but no LoRA run of the converted model exists")
             continue
-        models.append(available[key])
-    reference: dict[int, torch.Tensor] = {}
-    for name, path, lora in models:
-        if not work.fits(f"generate_model:{name}", ESTIMATES_S["generate_model"]):
+        name, path, lora = available[key]
+        if not work.fits(f"generate_model:{name}", ESTIMATES_S["generate_model"] * (len(loaded) + 1)):  # all are timed at the end
             continue
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", device_map=device)
         gates = None
@@ -510,39 +510,54 @@ def step_generate(work: Work) -> None:
             gates = torch.cat(values).mean().item() if values else None
         model.eval()
         sync()
-        load_s = time.perf_counter() - started
+        loaded.append((name, model, time.perf_counter() - started, gates))
 
-        for batch in sorted({1, settings["batch"]}):
-            ids = prompts[:batch]
-            # warm-up as long as the timed run: kernels compiled, and the allocator holds the blocks a
+    new = settings["new_tokens"]
+    for batch in sorted({1, settings["batch"]}):
+        ids = prompts[:batch]
+        for _, model, _, _ in loaded:
+            # warm-up as long as a timed run: kernels compiled, and the allocator holds the blocks a
             # cache of every length up to the last takes (growing it costs device allocations)
-            timed_generate(model, ids, settings["new_tokens"], tokenizer.eos_token_id, sync)
-            _, first_s = timed_generate(model, ids, 1, tokenizer.eos_token_id, sync)
-            tokens, total_s = timed_generate(model, ids, settings["new_tokens"], tokenizer.eos_token_id, sync)
-            new = settings["new_tokens"]
+            timed_generate(model, ids, new, pad, sync)
+        best: dict[str, dict] = {}
+        for _ in range(settings["repeats"]):
+            for name, model, _, _ in loaded:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated() if cuda else 0
+                _, first_s = timed_generate(model, ids, 1, pad, sync)
+                tokens, total_s = timed_generate(model, ids, new, pad, sync)
+                # this model alone: its weights, plus what its generation allocated at most
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                peak = (weights + torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+                if name not in best or total_s < best[name]["total_s"]:
+                    best[name] = {"ttft_s": first_s, "total_s": total_s, "tokens": tokens.cpu(), "peak_gpu_gib": peak}
+        for name, _, load_s, gates in loaded:
+            run = best[name]
+            total_s, first_s = run["total_s"], run["ttft_s"]
             metrics = {"load_s": load_s, "ttft_s": first_s, "total_s": total_s, "tokens_per_s": batch * new / total_s,
                        "decode_tokens_per_s": batch * (new - 1) / (total_s - first_s) if total_s > first_s else None,
-                       "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
-            if name == "llama":
-                reference[batch] = tokens.cpu()
-            elif batch in reference:
-                same = tokens.cpu() == reference[batch]
+                       "peak_gpu_gib": run["peak_gpu_gib"], "repeats": settings["repeats"]}
+            if name != "llama" and "llama" in best:
+                plain = best["llama"]
+                metrics["tokens_per_s_ratio_vs_llama"] = plain["total_s"] / total_s
+                same = run["tokens"] == plain["tokens"]
                 metrics["same_tokens_as_llama"] = bool(same.all())
                 # per sequence, the first new token that differs (None: all the same): a late first
                 # difference is a near-tie greedy step resolved the other way, not a different model
                 metrics["first_difference"] = [int(row.logical_not().nonzero()[0]) if not row.all() else None
                                                for row in same]
-                if lora is None and not metrics["same_tokens_as_llama"]:
+                if gates is None and not metrics["same_tokens_as_llama"]:
                     work.failures.append(f"generate: converted and plain models differ at batch {batch}")
             if gates is not None:
                 metrics["gate_abs_mean"] = gates
             work.record("eight_b_generate", {"model": name, "batch": batch, "prompt_tokens": settings["prompt_tokens"],
                                              "new_tokens": new, "dtype": settings["dtype"], "attn_implementation": "sdpa",
                                              "greedy": True, "cache": "dynamic"}, metrics)
-        del model
-        gc.collect()  # the PEFT wrapper of the mid-trained model holds references until collected
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    del loaded
+    gc.collect()  # the PEFT wrapper of the mid-trained model holds references until collected
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 STEP_FUNCTIONS = {"convert": step_convert, "verify": step_verify, "train": step_train,
@@ -563,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=None)
     parser.add_argument("--device", default=None, help="default: cuda (8b), cpu (tiny)")
     parser.add_argument("--generate-models", default=None,
-                        help="generate: comma-separated, in this order, from llama, mhar, midtrained (default: all;"
-                             " midtrained when train ran in this --work)")
+                        help="generate: comma-separated, from llama, mhar, midtrained, each once (default: all;"
+                             " midtrained when train ran in this --work); loaded together, timed in turns")
     args = parser.parse_args(argv)
     settings = dict(SETTINGS[args.shape])
     for key, value in (("steps", args.steps_per_run), ("seq_length", args.seq_length), ("device", args.device)):
@@ -578,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(work.generate_models) - {"llama", "mhar", "midtrained"}
         if unknown:
             parser.error(f"--generate-models: unknown {sorted(unknown)}")
+        if len(set(work.generate_models)) < len(work.generate_models):
+            parser.error("--generate-models: name each model once (they are timed in turns)")
     log(f"shape {args.shape}, steps {' '.join(args.steps)}, settings {json.dumps(settings)}")
     free = shutil.disk_usage(args.work).free
     log(f"{args.work}: {free / 1e9:.0f} GB free on a {filesystem(args.work)} filesystem")
