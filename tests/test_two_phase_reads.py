@@ -12,7 +12,7 @@ import torch
 
 import mhar_hf.ops.routing as fused_ops
 from mhar_hf.ops.routing import fused_route, kernels, reads, track
-from mhar_hf.routing import Read, route_reference
+from mhar_hf.routing import Read, route_reference, routing_keys
 from mhar_hf.tiny import tiny_config
 from test_routing_kernels import (DEVICE, DTYPES, EPS, GPU, TOLERANCE, LaunchSpy, configured,  # noqa: F401 (fixtures)
                                   poisoned_outputs)
@@ -97,6 +97,30 @@ def names(blocks, added, count):
             + [f"read {r} {leaf}" for r in range(count) for leaf in ("query", "key norm weight")])
 
 
+def rounded_total_errors(sources, more, query, key_norm_weight, grad_out, heads, dtype, expected):
+    """The errors (rel. RMS against `expected`, fp64) of a read's query and key-norm weight
+    gradients computed in fp64 as the two-phase kernels compute them, with the one rounding their
+    design adds (docs/kernels.md): the end's S = <dout, out> taken from its output stored in `dtype`.
+    With few tokens this alone comes near 1 % in bf16; the fused gradients are held to it."""
+    width = sources[0].shape[-1]
+    query, key_norm_weight = query.double().requires_grad_(), key_norm_weight.double().requires_grad_()
+    rows = [s.double() for s in (*sources, *more)]
+    keys = routing_keys(rows, key_norm_weight, EPS)
+    per_head = (*keys.shape[:-1], heads, width // heads)
+    logits = (keys.view(per_head) * query.view(heads, -1)).sum(-1)  # [N, ..., H]
+    x, dout, begun = torch.stack(rows).view(len(rows), *per_head[1:]), grad_out.double().view(per_head[1:]), len(sources)
+    lam = logits[:begun].logsumexp(0)
+    p, total_lse = (logits[:begun] - lam).exp(), torch.logaddexp(lam, logits[begun:].logsumexp(0))
+    a, w = (lam - total_lse).exp(), (logits[begun:] - total_lse).exp()
+    out = a[..., None] * (p[..., None] * x[:begun]).sum(0) + (w[..., None] * x[begun:]).sum(0)
+    total = (dout * out.to(dtype).double()).sum(-1)  # S from the stored output
+    added = w * ((dout * x[begun:]).sum(-1) - total)  # the newer sources' dlogits
+    state = (dout * a[..., None] * x[:begun]).sum(-1)  # P'_j = <a dout, x_j>
+    blocks = p * (state - (p * state).sum(0) - added.sum(0))  # p_j (P'_j - S'), S' = <G, m> - g
+    grads = torch.autograd.grad((logits * torch.cat([blocks, added]).detach()).sum(), [query, key_norm_weight])
+    return [rel_rms(grad.to(dtype), ref) for grad, ref in zip(grads, expected, strict=True)]
+
+
 SHAPES = [  # (finished blocks, width, heads, tokens, batch, newer sources per read)
     pytest.param(3, 64, 4, 37, 1, (0, 1, 1, 1), id="tokens-not-a-block-multiple"),
     pytest.param(2, 320, 2, 9, 2, (0, 1, 2), id="head-width-160"),
@@ -124,13 +148,24 @@ def test_two_phase_reads_and_every_gradient_match_fp64_reference(spies, blocks, 
     for r, (out, ref) in enumerate(zip(outs, expected, strict=True)):
         assert out.dtype == dtype and torch.isfinite(out).all(), f"read {r}"
         assert rel_rms(out, ref) < TOLERANCE[dtype], f"read {r}"
-    for name, grad, ref in zip(names(blocks, added, len(newer)), grads, expected_grads, strict=True):
+    tolerance = dict.fromkeys(names(blocks, added, len(newer)), TOLERANCE[dtype])
+    for r, (more, (q, g), grad_out) in enumerate(zip(added, params, grad_outs, strict=True)):
+        if more and dtype != torch.float32:  # an end's parameters: within 1.5x of what S's rounding gives
+            wanted = [expected_grads[list(tolerance).index(f"read {r} {leaf}")] for leaf in ("query", "key norm weight")]
+            for leaf, error in zip(("query", "key norm weight"),
+                                   rounded_total_errors(sources, more, q, g, grad_out, heads, dtype, wanted), strict=True):
+                tolerance[f"read {r} {leaf}"] = max(TOLERANCE[dtype], 1.5 * error)
+    # a gradient that is exactly zero in exact arithmetic is held to fp32 summation noise at the scale
+    # of the reads' parameter gradients (their sums over tokens run in fp32)
+    scale = max(ref.abs().max().item() for name, ref in zip(tolerance, expected_grads) if name.startswith("read ")
+                and "newer" not in name)
+    for name, grad, ref in zip(tolerance, grads, expected_grads, strict=True):
         assert grad.dtype == dtype and grad.shape == ref.shape, name
         assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
         if ref.abs().max() == 0:  # a read of one source: its weight is 1 whatever its query
-            assert grad.abs().max() < 1e-6, name
+            assert grad.abs().max() <= TOLERANCE[torch.float32] * scale, name
         else:
-            assert rel_rms(grad, ref) < TOLERANCE[dtype], name
+            assert rel_rms(grad, ref) < tolerance[name], name
     forward, site, _ = spies
     ended = sum(1 for n in newer if n)
     assert (forward.count("GROUPED"), site.count("GROUPED")) == (1, 1)
