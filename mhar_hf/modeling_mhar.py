@@ -241,9 +241,7 @@ class MHARRouter(nn.Module):
         routers = (self, *ahead)
         if not all(r.gated and (r.num_heads, r.eps) == (self.num_heads, self.eps) for r in routers):
             raise ValueError("grouped reads are of gated routers of the same heads and eps")
-        reads = [Read(r.query, r.key_norm_weight, r.null_source, r.gate) for r in routers]
-        if DTensor is not None and any(isinstance(t, DTensor) for read in reads for t in read):
-            reads = [Read(*map(_whole, read, reads[0])) for read in reads]
+        reads = [Read(*(_whole(getattr(r, name), getattr(self, name)) for name in Read._fields)) for r in routers]
         return route_group(sources, reads, self.num_heads, self.eps, self.implementation)
 
     def extra_repr(self) -> str:
