@@ -104,7 +104,8 @@ def test_lora_runs_of_both_models_start_from_the_same_loss(pipeline):
     mhar, llama = runs[("mhar-delta-h8", False)], runs[("llama", False)]
     assert len(mhar["losses"]) == len(llama["losses"]) == eight_b.SETTINGS["tiny"]["steps"]
     assert mhar["step0_loss"] == llama["step0_loss"]
-    assert mhar["losses"][1:] != llama["losses"][1:]  # the routers train: the runs part after step 0
+    # the routers train: their gates leave 0 (one step's effect on the loss, lr x dL/dgate, is about
+    # 1e-6 here, at the loss's last bits, so the losses after step 0 are no evidence either way)
     assert mhar["gate_abs_mean_last"] > 0 and mhar["tokens_per_s_median"] > 0
     comparison = runs[("mhar-delta-h8 vs llama", True)]
     assert comparison["step0_identical"] is True
