@@ -148,16 +148,17 @@ def test_two_phase_reads_and_every_gradient_match_fp64_reference(spies, blocks, 
     for r, (out, ref) in enumerate(zip(outs, expected, strict=True)):
         assert out.dtype == dtype and torch.isfinite(out).all(), f"read {r}"
         assert rel_rms(out, ref) < TOLERANCE[dtype], f"read {r}"
-    tolerance = dict.fromkeys(names(blocks, added, len(newer)), TOLERANCE[dtype])
+    expected_by_name = dict(zip(names(blocks, added, len(newer)), expected_grads, strict=True))
+    tolerance = dict.fromkeys(expected_by_name, TOLERANCE[dtype])
     for r, (more, (q, g), grad_out) in enumerate(zip(added, params, grad_outs, strict=True)):
         if more and dtype != torch.float32:  # an end's parameters: within 1.5x of what S's rounding gives
-            wanted = [expected_grads[list(tolerance).index(f"read {r} {leaf}")] for leaf in ("query", "key norm weight")]
+            wanted = [expected_by_name[f"read {r} {leaf}"] for leaf in ("query", "key norm weight")]
             for leaf, error in zip(("query", "key norm weight"),
                                    rounded_total_errors(sources, more, q, g, grad_out, heads, dtype, wanted), strict=True):
                 tolerance[f"read {r} {leaf}"] = max(TOLERANCE[dtype], 1.5 * error)
     # a gradient that is exactly zero in exact arithmetic is held to fp32 summation noise at the scale
     # of the reads' parameter gradients (their sums over tokens run in fp32)
-    scale = max(ref.abs().max().item() for name, ref in zip(tolerance, expected_grads) if name.startswith("read ")
+    scale = max(ref.abs().max().item() for name, ref in expected_by_name.items() if name.startswith("read ")
                 and "newer" not in name)
     for name, grad, ref in zip(tolerance, grads, expected_grads, strict=True):
         assert grad.dtype == dtype and grad.shape == ref.shape, name

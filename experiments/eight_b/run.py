@@ -489,7 +489,7 @@ def step_generate(work: Work) -> None:
     adapter = work.run_dir("mhar-lora") / "model"
     available = {"llama": ("llama", work.llama, None), "mhar": ("mhar-delta-h8", work.mhar, None),
                  "midtrained": ("mhar-delta-h8-midtrained", work.mhar, adapter)}
-    loaded = []  # (name, model, load seconds, mean |gate| of a mid-trained model)
+    loaded = []  # (name, model, load seconds, mean |gate| of a mid-trained model, weight bytes)
     for key in work.generate_models:
         if key == "midtrained" and not (adapter / "adapter_config.json").exists():
             log("generate: no mid-trained model (run the train step first in this --work); left out")
@@ -510,29 +510,29 @@ def step_generate(work: Work) -> None:
             gates = torch.cat(values).mean().item() if values else None
         model.eval()
         sync()
-        loaded.append((name, model, time.perf_counter() - started, gates))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        loaded.append((name, model, time.perf_counter() - started, gates, weights))
 
     new = settings["new_tokens"]
     for batch in sorted({1, settings["batch"]}):
         ids = prompts[:batch]
-        for _, model, _, _ in loaded:
+        for _, model, *_ in loaded:
             # warm-up as long as a timed run: kernels compiled, and the allocator holds the blocks a
             # cache of every length up to the last takes (growing it costs device allocations)
             timed_generate(model, ids, new, pad, sync)
         best: dict[str, dict] = {}
         for _ in range(settings["repeats"]):
-            for name, model, _, _ in loaded:
+            for name, model, _, _, weights in loaded:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated() if cuda else 0
                 _, first_s = timed_generate(model, ids, 1, pad, sync)
                 tokens, total_s = timed_generate(model, ids, new, pad, sync)
                 # this model alone: its weights, plus what its generation allocated at most
-                weights = sum(p.numel() * p.element_size() for p in model.parameters())
                 peak = (weights + torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
                 if name not in best or total_s < best[name]["total_s"]:
                     best[name] = {"ttft_s": first_s, "total_s": total_s, "tokens": tokens.cpu(), "peak_gpu_gib": peak}
-        for name, _, load_s, gates in loaded:
+        for name, _, load_s, gates, _ in loaded:
             run = best[name]
             total_s, first_s = run["total_s"], run["ttft_s"]
             metrics = {"load_s": load_s, "ttft_s": first_s, "total_s": total_s, "tokens_per_s": batch * new / total_s,
