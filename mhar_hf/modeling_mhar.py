@@ -405,9 +405,9 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def depth_source(self, tensor: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """A tensor routing sites will read, marked where it is made, after the depth source made
         before it (see `routing.track`), in that source's dtype: a read's sources share one. Under
-        autocast a sublayer's output comes in the autocast dtype; block and delta sources are sums
-        that stay in the weights' dtype (as Llama's residual stream does), full mode's history is
-        in the autocast dtype from the embedding on (`MHARModel.initial_state`)."""
+        autocast full and block mode's sources are in the autocast dtype from the embedding on
+        (`MHARModel.initial_state`); delta mode's stream stays in the weights' dtype, as Llama's
+        does, so a converted model keeps computing what its source computes."""
         return track(tensor.to(after.dtype), self.routing_implementation, after)
 
     # Each mode's step takes the layer's residual state and returns (its hidden state, the next state).
@@ -600,14 +600,14 @@ class MHARModel(MHARPreTrainedModel):
     def initial_state(self, embeddings: torch.Tensor):
         """The residual state before layer 0 (see the module docstring)."""
         mode = self.config.residual_mode
-        if mode == "full":  # every later source is one sublayer output, made in autocast's dtype when it is on:
-            # the embedding joins them there, so each read moves half the bytes of an fp32 history
+        if mode in ("full", "block"):  # every later source is a sublayer output (full) or a block's sum of
+            # them (block), made in autocast's dtype when it is on: the embedding joins them there, so each
+            # read moves half the bytes of fp32 sources, and no fp32 copy of the stream is kept beside them
             device = embeddings.device.type
             if torch.is_autocast_enabled(device):
                 embeddings = embeddings.to(torch.get_autocast_dtype(device))
-            return FullState(sources=(track(embeddings, self.config.routing_implementation),))
-        if mode == "block":
-            return BlockState(blocks=(), partial=track(embeddings, self.config.routing_implementation))
+            first = track(embeddings, self.config.routing_implementation)
+            return FullState(sources=(first,)) if mode == "full" else BlockState(blocks=(), partial=first)
         if mode == "delta":  # the embedding is the first block entry
             first = track(embeddings, self.config.routing_implementation)
             return DeltaState(stream=embeddings, boundary=embeddings, blocks=(first,), reads_ahead=())

@@ -113,11 +113,13 @@ def test_reentrant_checkpointing_keeps_every_fused_gradient(mode):
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
 def test_reads_under_autocast_over_fp32_weights_run_fused(mode):
     """Mixed-precision training as `mhar train`, accelerate and Trainer run it: fp32 weights, bf16
-    autocast. The embedding stays fp32 while the sublayers' outputs come in bf16; a read's
-    sources share one dtype (full mode's the autocast one, block and delta sums the embedding's),
-    so every read runs on the kernels (a mix of dtypes would send it to the reference op, with a
-    warning). Against the same model in fp64, the fused loss and every gradient are as close as
-    the reference op's under the same autocast (bf16 rounding, not the kernels, sets the error)."""
+    autocast. The sublayers' outputs come in bf16; a read's sources share one dtype (full and block
+    mode's the autocast one, delta's the weights', as its stream), so every read runs on the
+    kernels (a mix of dtypes would send it to the reference op, with a warning). Against the same
+    model in fp64, the fused loss and every gradient are within twice the reference op's error
+    under the same autocast: bf16 rounding sets both, and the fused backward adds some of its own
+    where a read takes S from its output as stored in bf16 (docs/kernels.md; 1.6x at most here,
+    in block mode, whose reads end begun states)."""
     tokens = next(batches(1))
 
     def step(implementation, dtype=torch.float32, autocast=True):
@@ -136,7 +138,7 @@ def test_reads_under_autocast_over_fp32_weights_run_fused(mode):
     for name, exact in exact_grads.items():
         reference_error = rel_rms(reference_grads[name], exact)
         assert reference_error < 0.1, name  # bf16's error, not a broken model
-        assert rel_rms(grads[name], exact) < 1.5 * reference_error + 1e-4, name
+        assert rel_rms(grads[name], exact) < 2 * reference_error + 1e-4, name
 
 
 def spy_groups(monkeypatch, record) -> None:

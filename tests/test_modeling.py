@@ -204,10 +204,10 @@ def test_full_mode_source_counts():
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])
-def test_under_autocast_only_full_modes_history_takes_the_autocast_dtype(mode):
-    """fp32 weights under bf16 autocast: full mode's sources are single sublayer outputs, made in
-    bf16, and the embedding joins them in bf16 (half the bytes a read moves); block and delta
-    sources are sums and stay fp32, as the plain model's residual stream does."""
+def test_under_autocast_full_and_block_sources_take_the_autocast_dtype(mode):
+    """fp32 weights under bf16 autocast: full mode's sources (sublayer outputs) and block mode's
+    (block sums of them) are bf16, the embedding joining them in bf16 (half the bytes a read
+    moves); delta mode's sources stay fp32 beside its stream, which is fp32 as Llama's is."""
     model = build(mode, num_hidden_layers=4)
     dtypes, handles = set(), []
     for module in model.modules():
@@ -217,7 +217,7 @@ def test_under_autocast_only_full_modes_history_takes_the_autocast_dtype(mode):
         model(ids())
     for handle in handles:
         handle.remove()
-    assert dtypes == {torch.bfloat16 if mode == "full" else torch.float32}
+    assert dtypes == {torch.float32 if mode == "delta" else torch.bfloat16}
 
 
 def test_block_mode_snapshots_at_every_third_layer():
