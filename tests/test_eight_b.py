@@ -123,6 +123,7 @@ def test_generation_rows_of_the_plain_converted_and_midtrained_models(pipeline):
     assert found[("mhar-delta-h8-midtrained", 1)]["gate_abs_mean"] > 0
     for (model, b), metrics in found.items():  # timed in the same rounds as the plain model, against it
         assert metrics["repeats"] == eight_b.SETTINGS["tiny"]["repeats"]
+        assert metrics["same_tokens_every_repeat"] is True  # the CPU's kernels are deterministic
         if model != "llama":
             plain = found[("llama", b)]
             assert metrics["tokens_per_s_ratio_vs_llama"] == pytest.approx(metrics["tokens_per_s"] / plain["tokens_per_s"])
