@@ -72,6 +72,8 @@ VARIANTS = [  # (label, residual mode, heads)
     ("delta", "delta", 8),
 ]
 FULL_GROUPED = "full H=8"  # the variant `--full-group-layers` runs once per G
+# LaunchConfig knobs that change how a model schedules its reads: a row records the one its mode reads
+SCHEDULE_KNOBS = {"full": "full_group_layers", "block": "block_two_phase"}
 PATHS = ("fused", "fused+graph", "reference", "reference+compile")
 BASELINE_PATHS = ("eager", "compiled", "compiled+graph")
 
@@ -101,30 +103,37 @@ FALLBACK_WARNING = "using the reference routing op"  # what routing.route & co. 
 PROTOCOLS = ("realistic", "graph", "both")
 
 
-def full_groups(label: str, mode: str, groups: list[int] | None) -> list[int | None]:
-    """The `LaunchConfig.full_group_layers` a variant runs with, one run each: full H=8 each G of
-    `--full-group-layers` (default: the current value), another full-mode variant the current
-    value; None for the other modes, which do not read it."""
-    if mode != "full":
-        return [None]
-    return list(groups) if groups and label == FULL_GROUPED else [launch.current().full_group_layers]
+def schedules(label: str, mode: str, groups: list[int] | None = None,
+              block_two_phase: list[bool] | None = None) -> list[dict]:
+    """The read schedules a variant runs with, one run each, as the `SCHEDULE_KNOBS` value its
+    mode reads: full H=8 each G of `--full-group-layers`, block each of `--block-two-phase`
+    (default: the current value); {} for a mode that reads none."""
+    knob = SCHEDULE_KNOBS.get(mode)
+    if knob is None:
+        return [{}]
+    asked = {"full_group_layers": groups if label == FULL_GROUPED else None, "block_two_phase": block_two_phase}[knob]
+    return [{knob: value} for value in (asked or [getattr(launch.current(), knob)])]
 
 
-def with_group(record: dict, group: int | None) -> dict:
-    """`record` with its full_group_layers where it has one."""
-    return record if group is None else dict(record, full_group_layers=group)
+def schedule_of(record: dict) -> dict:
+    """The record's read schedule: the SCHEDULE_KNOBS values it holds."""
+    return {knob: record[knob] for knob in SCHEDULE_KNOBS.values() if record.get(knob) is not None}
 
 
-def full_group_config(record: dict):
-    """A context running full mode with the record's full_group_layers (none: as it is)."""
-    group = record.get("full_group_layers")
-    return launch_config(full_group_layers=group) if group is not None else contextlib.nullcontext()
+def schedule_config(record: dict):
+    """A context running the record's model with its read schedule (none: as it is)."""
+    schedule = schedule_of(record)
+    return launch_config(**schedule) if schedule else contextlib.nullcontext()
 
 
 def variant_label(record: dict) -> str:
-    """A row's model label, with its full_group_layers where it has one."""
-    label = record.get("label", "plain")
-    return label if record.get("full_group_layers") is None else f"{label} G={record['full_group_layers']}"
+    """A row's model label, with its read schedule where it has one."""
+    label, schedule = record.get("label", "plain"), schedule_of(record)
+    if "full_group_layers" in schedule:
+        return f"{label} G={schedule['full_group_layers']}"
+    if "block_two_phase" in schedule:
+        return f"{label} {'two-phase' if schedule['block_two_phase'] else 'whole reads'}"
+    return label
 
 
 def build(preset: str, mode: str, heads: int, routing: str) -> MHARForCausalLM:
@@ -417,7 +426,7 @@ def measure_baselines(preset: str, args) -> list[dict]:
 def measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict | None:
     """Fill `record` (preset, mode, heads, path) with the training figures; for the fused path
     also return the routing kernel figures of the same model's reads."""
-    with full_group_config(record):
+    with schedule_config(record):
         return _measure_mhar(record, baseline, args, bandwidth)
 
 
@@ -444,15 +453,14 @@ def _measure_mhar(record: dict, baseline: dict, args, bandwidth: float) -> dict 
         return None
     kernel = time_routing(sites, mode == "delta", batch * seq, width, heads, bandwidth)
     print(kernel, flush=True)
-    return with_group(dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel),
-                      record.get("full_group_layers"))
+    return dict(preset=preset, mode=mode, heads=heads, tokens=batch * seq, **kernel, **schedule_of(record))
 
 
 def ratio_at_floor(kernel: dict, training: list[dict], baseline: dict) -> float | None:
     """The x plain the variant's fastest fused step would reach if its routing kernels ran exactly
     at their byte floor: that step's time less the kernels' forward + backward GPU time, plus the
     floor. What this formulation allows, whatever the kernels do; None if no fused step was timed."""
-    keys = ("preset", "mode", "heads", "full_group_layers")
+    keys = ("preset", "mode", "heads", *SCHEDULE_KNOBS.values())
     steps = [r for r in training if r["path"].startswith("fused") and "tokens_per_s" in r
              and all(r.get(key) == kernel.get(key) for key in keys)]
     if not steps:
@@ -510,12 +518,14 @@ def case_config(case: dict):
 
 def realistic_cases(presets: list[str], variants: list[str], paths: list[str],
                     whole_variants: list[str] = WHOLE_VARIANTS, checkpointed: list[str] = (SLICE,),
-                    loss: str = LOSSES[0], full_group_layers: list[int] | None = None) -> list[dict]:
+                    loss: str = LOSSES[0], full_group_layers: list[int] | None = None,
+                    block_two_phase: list[bool] | None = None) -> list[dict]:
     """The realistic protocol's configurations, in the order they run: first each preset's compiled
     rows (what the targets are about: the plain class, MHAR `standard` as a check of it, each
     variant), then the eager rows, then `torch.compile(model)` on the whole model (the plain class
     and `whole_variants` of `variants`). The slice runs delta only; the `checkpointed` presets
-    with activation checkpointing; full H=8 once per G of `full_group_layers` (`full_groups`)."""
+    with activation checkpointing; full H=8 once per G of `full_group_layers`, block once per value of
+    `block_two_phase` (`schedules`)."""
     cases = []
     for path in (p for p in REALISTIC_PATHS if p in paths):
         if path == "compiled-whole":
@@ -527,9 +537,9 @@ def realistic_cases(presets: list[str], variants: list[str], paths: list[str],
             cases.append(dict(base, label="plain", mode="standard", heads=None))
             if path == "compiled":
                 cases.append(dict(base, label="MHAR standard", mode="standard", heads=None))
-            cases += [with_group(dict(base, label=label, mode=mode, heads=heads), group)
+            cases += [dict(base, label=label, mode=mode, heads=heads, **schedule)
                       for label, mode, heads in VARIANTS if label in variants and (preset != SLICE or mode == "delta")
-                      for group in full_groups(label, mode, full_group_layers)]
+                      for schedule in schedules(label, mode, full_group_layers, block_two_phase)]
     return cases
 
 
@@ -638,7 +648,7 @@ def fell_back(error: BaseException) -> str | None:
 def measure_realistic(case: dict, args, device: torch.device) -> dict:
     """Time one realistic case: its record, with the figures, `status` "out of memory" or
     "fell back to the reference op" (and the warning in `fallback`)."""
-    with full_group_config(case):
+    with schedule_config(case):
         return _measure_realistic(case, args, device)
 
 
@@ -726,7 +736,7 @@ def run_realistic(args, device: torch.device) -> list[dict]:
     variants = args.variants or list(REALISTIC_VARIANTS)
     records = []
     for case in realistic_cases(presets, variants, args.realistic_paths, args.whole_variants, args.checkpointing,
-                                args.loss, args.full_group_layers):
+                                args.loss, args.full_group_layers, args.block_two_phase):
         if time.monotonic() - began > args.budget_s:
             records.append(dict(case, status="skipped: time budget"))
             continue
@@ -755,9 +765,10 @@ def run_graph(args, report: dict) -> None:
                 report["training"] += records
                 baselines[preset] = max(records, key=lambda r: r["tokens_per_s"])
             for label, mode, heads in (v for v in VARIANTS if v[0] in variants):
-                for group, path in itertools.product(full_groups(label, mode, args.full_group_layers),
-                                                     [p for p in paths if p in args.paths]):
-                    record = with_group(dict(preset=preset, mode=mode, heads=heads, label=label, path=path), group)
+                for schedule, path in itertools.product(
+                        schedules(label, mode, args.full_group_layers, args.block_two_phase),
+                        [p for p in paths if p in args.paths]):
+                    record = dict(preset=preset, mode=mode, heads=heads, label=label, path=path, **schedule)
                     report["training"].append(record)
                     if time.monotonic() - began > args.budget_s:
                         record["status"] = "skipped: time budget"
@@ -887,15 +898,15 @@ def result_rows(report: dict) -> list[tuple[str, dict, dict]]:
         if "tokens_per_s" not in r and r.get("status") != "out of memory":
             continue
         batch, seq = MICRO_BATCH[r["preset"]]
-        config = with_group(dict(preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r.get("label", "plain"),
-                                 path=r["path"], batch=batch, seq=seq, **steps), r.get("full_group_layers"))
+        config = dict(preset=r["preset"], mode=r["mode"], heads=r["heads"], variant=r.get("label", "plain"),
+                      path=r["path"], batch=batch, seq=seq, **steps, **schedule_of(r))
         metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib",
                                            "ratio_vs_baseline", "mem_ratio_vs_baseline") if key in r}
         rows.append(("train_throughput", config, metrics if metrics else {"out_of_memory": True}))
     rows += [("train_throughput", *realistic_row(r, steps)) for r in report.get("realistic", ())
              if "tokens_per_s" in r or r.get("status") in ("out of memory", "fell back to the reference op")]
     for k in report["kernels"]:
-        config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites", "full_group_layers")
+        config = {key: k[key] for key in ("preset", "mode", "heads", "tokens", "sites", *SCHEDULE_KNOBS.values())
                   if key in k}
         metrics = {key: value for key, value in k.items() if key not in config}
         rows.append(("routing_kernels", config, dict(metrics, copy_bandwidth_tb_s=report["copy_bandwidth_tb_s"])))
@@ -910,7 +921,7 @@ def realistic_row(r: dict, steps: dict) -> tuple[dict, dict]:
                   autocast="bfloat16", loss=r["loss"], checkpointing=r["checkpointing"],
                   compile_backend=r["compile_backend"],
                   **steps)
-    config = with_group(config, r.get("full_group_layers"))
+    config = dict(config, **schedule_of(r))
     if "tokens_per_s" not in r:
         return config, {"out_of_memory" if r["status"] == "out of memory" else "fell_back_to_reference": True}
     metrics = {key: r[key] for key in ("step_ms", "tokens_per_s", "peak_mem_gib", "held_gib", "first_step_s",
@@ -951,6 +962,9 @@ def main():
                         help="full mode's layers per group of two-phase reads (LaunchConfig.full_group_layers, "
                         "docs/kernels.md): full H=8 runs once per G, each row recording it (default: the current "
                         "value; 1: split pairs)")
+    parser.add_argument("--block-two-phase", nargs="+", choices=["on", "off"],
+                        help="block mode's two-phase reads (LaunchConfig.block_two_phase, docs/kernels.md) or "
+                        "whole reads: block runs once per value, each row recording it (default: the current value)")
     parser.add_argument("--compile-backend", default="inductor", help="realistic protocol's torch.compile backend")
     parser.add_argument("--checkpointing", nargs="*", default=[SLICE], choices=list(REALISTIC_BATCH),
                         help="realistic protocol: presets run with (non-reentrant) activation checkpointing")
@@ -969,6 +983,7 @@ def main():
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
+    args.block_two_phase = args.block_two_phase and [value == "on" for value in args.block_two_phase]
     if args.full_group_layers and min(args.full_group_layers) < 1:
         parser.error("--full-group-layers takes numbers of layers, at least 1")
     if args.loss == "fused-linear" and "compiled-whole" in args.realistic_paths:
@@ -977,7 +992,8 @@ def main():
     if args.list:
         presets = [p for p in (args.presets or REALISTIC_BATCH) if p in REALISTIC_BATCH]
         for case in realistic_cases(presets, args.variants or list(REALISTIC_VARIANTS), args.realistic_paths,
-                                    args.whole_variants, args.checkpointing, args.loss, args.full_group_layers):
+                                    args.whole_variants, args.checkpointing, args.loss, args.full_group_layers,
+                                    args.block_two_phase):
             print(f"{case['preset']} {case['batch']}x{case['seq']} {variant_label(case)} {case['path']}"
                   + (" checkpointed" if case["checkpointing"] else ""))
         return

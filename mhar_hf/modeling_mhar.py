@@ -50,7 +50,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs, resolve_hidden_states_indices, selected_hidden_states
 
 from .configuration_mhar import MHARConfig
-from .routing import Read, full_group_layers, route, route_and_start, route_begin_group, route_group, track
+from .routing import Read, launch_setting, route, route_and_start, route_begin_group, route_group, track
 
 if torch.distributed.is_available():  # FSDP2's types, for grouped reads of sharded routers (_whole_here, _whole)
     from torch.distributed.fsdp import FSDPModule
@@ -417,7 +417,7 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
 
     def _forward_full(self, state: FullState, attend):
         sources, pending = state.sources, state.pending
-        group = full_group_layers()
+        group = launch_setting("full_group_layers", 1)
         # a group's first layer: on the fused path, the group's reads begin over the sources so far
         # (two-phase reads, as a block's in block mode); a group of one layer runs as a split pair
         ahead = tuple((layer, name) for layer in self.later_layers[:group - 1] for name in ("attn_router", "mlp_router"))
@@ -447,7 +447,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         blocks, partial, pending = state.blocks, state.partial, state.pending
         if self.starts_block:  # the running sum joins the blocks, which every read of this block takes
             blocks, pending = (*blocks, partial), ()
-            if _whole_here(self.reads_ahead):  # on the fused path, the block's reads begin over them now
+            # on the fused path, the block's reads begin over them now (unless the launch config says whole reads)
+            if _whole_here(self.reads_ahead) and launch_setting("block_two_phase", False):
                 routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
                 routers += [getattr(layer, name) for layer, name in self.reads_ahead]
                 pending = _begin_reads(blocks, routers, self.routing_implementation)

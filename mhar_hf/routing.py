@@ -229,11 +229,11 @@ def route_begin_group(
     return kernels.fused_begin_group(sources, reads, num_heads, eps)
 
 
-def full_group_layers() -> int:
-    """Full mode's layers per group of two-phase reads, the fused path's knob
-    `LaunchConfig.full_group_layers` (docs/kernels.md); 1 (split pairs) without the kernels."""
+def launch_setting(name: str, default):
+    """A knob of the fused path's `LaunchConfig` that sets how the model schedules its reads
+    (`full_group_layers`, `block_two_phase`; docs/kernels.md), or `default` without the kernels."""
     kernels = _fused_kernels(required=False)
-    return kernels.launch.current().full_group_layers if kernels is not None else 1
+    return getattr(kernels.launch.current(), name) if kernels is not None else default
 
 
 def track(source: torch.Tensor, implementation: str = "auto", after: torch.Tensor | None = None) -> torch.Tensor:

@@ -396,10 +396,11 @@ def tiny_realistic(monkeypatch):
     monkeypatch.setattr(bench_train, "case_config", tiny)
     monkeypatch.setattr(bench_train, "REALISTIC_BATCH", {"100M": (2, 16), bench_train.SLICE: (1, 16)})
 
-    def run(presets, variants, paths, whole_variants=("delta",), loss="mhar-train", full_group_layers=None):
+    def run(presets, variants, paths, whole_variants=("delta",), loss="mhar-train", full_group_layers=None,
+            block_two_phase=None):
         args = Namespace(presets=presets, variants=variants, realistic_paths=paths, whole_variants=whole_variants,
                          checkpointing=[bench_train.SLICE], loss=loss, warmup=1, steps=1, budget_s=3600,
-                         compile_backend="eager", full_group_layers=full_group_layers)
+                         compile_backend="eager", full_group_layers=full_group_layers, block_two_phase=block_two_phase)
         return bench_train.run_realistic(args, torch.device("cpu"))
 
     return run
@@ -590,13 +591,41 @@ def test_full_group_layers_run_full_mode_once_per_group_and_record_it(tiny_reali
     assert "| 100M | 2x16 | full H=8 G=3 | eager |" in bench_train.markdown(report)
 
 
+def test_block_two_phase_runs_block_mode_once_per_value_and_records_it(tiny_realistic, monkeypatch, tmp_path):
+    """--block-two-phase on off: block runs twice, its reads begun together in the first run only,
+    each row recording the value in its config and label; the launch config is restored after."""
+    import bench_train
+    import results_log
+    from mhar_hf.ops import routing as fused
+
+    begun = []
+    begin = fused.fused_begin_group
+    monkeypatch.setattr(fused, "fused_begin_group", lambda *args: begun.append(launch.current().block_two_phase)
+                        or begin(*args))
+    records = tiny_realistic(["100M"], ["block"], ["eager"], block_two_phase=[True, False])
+    assert [(r["label"], r.get("block_two_phase")) for r in records] == [
+        ("plain", None), ("block", True), ("block", False)]
+    assert begun and set(begun) == {True}
+    assert launch.current().block_two_phase is True  # restored
+
+    report = dict(date="2026-12-07T09:00:00+00:00", gpu="cpu", commit="0123abc", torch="t", triton="tr",
+                  copy_bandwidth_tb_s=None, warmup_steps=1, timed_steps=1, training=[], kernels=[], realistic=records)
+    bench_train.record(report, tmp_path)
+    rows = results_log.read_results("train_throughput", tmp_path)
+    assert [row["config"].get("block_two_phase") for row in rows] == [None, True, False]
+    text = bench_train.markdown(report)
+    assert "| 100M | 2x16 | block two-phase | eager |" in text and "| 100M | 2x16 | block whole reads | eager |" in text
+
+
 def test_graph_rows_and_kernel_rows_record_their_full_group_layers():
     """The graph protocol's rows: each full-mode row's G in its config, label and kernel table, and
     a kernel row's ratio at floor taken from the training step of the same G."""
-    from bench_train import full_groups, markdown, ratio_at_floor, result_rows
+    from bench_train import markdown, ratio_at_floor, result_rows, schedules
 
-    assert full_groups("full H=8", "full", [2, 4]) == [2, 4] and full_groups("full H=1", "full", [2, 4]) == [1]
-    assert full_groups("block", "block", [2]) == [None] and full_groups("full H=8", "full", None) == [1]
+    assert schedules("full H=8", "full", [2, 4]) == [{"full_group_layers": 2}, {"full_group_layers": 4}]
+    assert schedules("full H=1", "full", [2, 4]) == schedules("full H=8", "full") == [{"full_group_layers": 1}]
+    assert schedules("block", "block", [2]) == [{"block_two_phase": True}] and schedules("delta", "delta", [2]) == [{}]
+    assert schedules("block", "block", None, [False]) == [{"block_two_phase": False}]
     row = dict(preset="350M", mode="full", heads=8, label="full H=8", path="fused", peak_mem_gib=9.0)
     training = [dict(row, full_group_layers=1, tokens_per_s=80000), dict(row, full_group_layers=4, tokens_per_s=90000)]
     kernel = dict(preset="350M", mode="full", heads=8, tokens=4096, sites=48, fwd_ms=0.6, fwd_floor_ms=0.3,

@@ -302,6 +302,28 @@ def test_block_model_matches_the_fp64_reference_model(monkeypatch, checkpointing
         assert rel_rms(grad, expected[name]) < 1e-4, name
 
 
+def test_block_model_with_whole_reads_matches_the_fp64_reference_model(monkeypatch, configured, spies):
+    """`LaunchConfig.block_two_phase=False`: no read begun, every read whole over its sources in
+    one launch (none starts from a state), and the loss and every gradient still the fp64
+    reference model's."""
+    begun = begun_sizes(monkeypatch)
+    configured(block_two_phase=False)
+    model = block_model("fused")
+    reference = block_model("reference")
+    reference.load_state_dict(model.state_dict())
+    reference.double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    loss, grads = loss_and_grads(model, ids)
+    expected_loss, expected = loss_and_grads(reference, ids)
+    forward, _, _ = spies
+    assert begun == [] and forward.count("HAS_INIT") == forward.count("GROUPED") == 0
+    assert forward.launches == 10  # layer 0's MLP read, both reads of layers 1-4, the final read
+    assert abs(loss.item() - expected_loss.item()) < 1e-5
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected[name]) < 1e-4, name
+
+
 def test_block_model_backward_is_bitwise_identical():
     ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     first = loss_and_grads(block_model("fused"), ids)[1]

@@ -64,6 +64,10 @@ class LaunchConfig:
     # once per token ([d] in the sources' dtype and an fp32 lse each). Read at each group's first
     # layer: a layer recomputed under activation checkpointing must see the same value.
     full_group_layers: int = 1
+    # Block mode's reads of one block begun together over its finished blocks, at the block's first
+    # layer (two-phase reads; docs/kernels.md), or each read whole over its sources. Read there, as
+    # full_group_layers is.
+    block_two_phase: bool = True
 
     def __post_init__(self):
         if self.full_group_layers < 1:
