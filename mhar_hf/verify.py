@@ -1,9 +1,10 @@
 """Identity check: does a converted MHAR model compute exactly what its source model computes?
 
 Both models are loaded (one at a time, so peak memory is one model), run on a fixed set of
-prompts, and compared: the maximum absolute logit difference over every prompt position, whether
-the logits are bit-for-bit equal, and whether greedy generations match token for token. A delta
-conversion must pass in fp32 and in bf16.
+prompts, each alone and all in one left-padded batch (a batch runs other kernels than one
+sequence does), and compared: the maximum absolute logit difference over every prompt position,
+whether the logits are bit-for-bit equal, and whether greedy generations match token for token.
+A delta conversion must pass in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class IdentityReport:
 
     def summary(self) -> str:
         lines = [f"identity check on {self.prompts} prompts ({self.prompt_tokens} tokens from the {self.prompt_source}), "
-                 f"{self.new_tokens} greedy tokens each:"]
+                 f"each alone and all in one batch, {self.new_tokens} greedy tokens each:"]
         for r in self.results:
             lines.append(f"  {r.dtype:<9} max |logit diff| {r.max_abs_logit_diff:.3g}  logits bit-equal: "
                          f"{'yes' if r.logits_equal else 'NO'}  greedy generations match: {'yes' if r.generations_match else 'NO'}")
@@ -82,23 +83,37 @@ def prompt_ids(src: str | os.PathLike, vocab_size: int, prompts=PROMPTS) -> tupl
 @torch.inference_mode()
 def model_outputs(path, dtype: str, prompts: list[torch.Tensor], max_new_tokens: int, device: str = "cpu",
                   attn_implementation: str = "eager") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Logits over each prompt and its greedy continuation, from the model saved at `path`."""
+    """Logits over each prompt and its greedy continuation, from the model saved at `path`: each
+    prompt alone, then all of them in one batch, left-padded (the logits of real tokens only)."""
     from transformers import AutoModelForCausalLM
 
     from . import MHARConfig  # noqa: F401  (registers the mhar model type)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
     model.to(device).eval()
+    pad = model.generation_config.pad_token_id or 0
+    batch, mask = left_padded(prompts, pad)
     logits, generations = [], []
-    for ids in prompts:
-        ids = ids.to(device)
-        logits.append(model(input_ids=ids).logits.cpu())
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
-        generations.append(out[0, ids.shape[1]:].cpu())
+    for ids, attention_mask in [(p, torch.ones_like(p)) for p in prompts] + [(batch, mask)]:
+        ids, attention_mask = ids.to(device), attention_mask.to(device)
+        out = model(input_ids=ids, attention_mask=attention_mask).logits
+        logits.append(out[attention_mask.bool()].cpu())
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad)
+        generations.append(out[:, ids.shape[1]:].cpu())
     del model
     gc.collect()
     return logits, generations
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts (each [1, n]) as one batch padded on the left with `pad`, and its attention mask."""
+    length = max(p.shape[1] for p in prompts)
+    batch = torch.full((len(prompts), length), pad, dtype=prompts[0].dtype)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        batch[row, length - p.shape[1]:], mask[row, length - p.shape[1]:] = p[0], 1
+    return batch, mask
 
 
 def verify_identity(src: str | os.PathLike, dst: str | os.PathLike, dtypes=DEFAULT_DTYPES, max_new_tokens: int = 16,

@@ -387,6 +387,31 @@ def test_cli_verify(tmp_path, capsys):
     assert "MISMATCH" in out and "logits bit-equal: NO" in out
 
 
+def test_verify_identity_also_compares_a_left_padded_batch(tmp_path, monkeypatch):
+    """The prompts run alone and all in one left-padded batch: a model that differs only when it
+    runs several sequences at once (other kernels, on a GPU) fails the check."""
+    from mhar_hf.modeling_mhar import MHARForCausalLM
+    from mhar_hf.verify import left_padded, verify_identity
+
+    batch, mask = left_padded([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad=0)
+    assert batch.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+    src = save_source(tmp_path / "src", "Llama-3.2-1B")
+    dst = convert_checkpoint(src, tmp_path / "dst", heads=4, num_blocks=2, log=lambda s: None)
+    assert verify_identity(src, dst, dtypes=["float32"], max_new_tokens=2).ok
+    forward = MHARForCausalLM.forward
+
+    def differs_in_batches(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if out.logits.shape[0] > 1:
+            out.logits = out.logits + 1e-3
+        return out
+
+    monkeypatch.setattr(MHARForCausalLM, "forward", differs_in_batches)
+    report = verify_identity(src, dst, dtypes=["float32"], max_new_tokens=2)
+    assert not report.ok and not report.results[0].logits_equal
+
+
 def test_hub_id_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
