@@ -81,10 +81,12 @@ def test_every_shared_module_is_bit_equal_in_a_batched_prefill(models, monkeypat
     with torch.inference_mode():
         expected, again, got = module_outputs(source, ids), module_outputs(source, ids), module_outputs(converted, ids)
     # the control: a source that differs from itself would make any difference below meaningless
-    assert first_difference(expected, again) is None, f"the source, run twice: {first_difference(expected, again)}"
+    unstable = first_difference(expected, again)
+    assert unstable is None, f"the source, run twice: {unstable}"
     shared = set(expected) & set(got)
     assert {"model.layers.0.self_attn", "model.layers.3.mlp" if GPU else "model.layers.2.mlp", "lm_head"} <= shared
-    assert first_difference(expected, got) is None, first_difference(expected, got)
+    difference = first_difference(expected, got)
+    assert difference is None, difference
 
 
 def test_batched_greedy_decoding_gives_the_source_tokens(models, monkeypatch):

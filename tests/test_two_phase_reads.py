@@ -277,29 +277,41 @@ def loss_and_grads(model, ids, checkpointing=None):
     return loss, {name: p.grad for name, p in model.named_parameters()}
 
 
+def assert_matches_fp64_reference(mode, checkpointing=None):
+    """The loss and every parameter's gradient of a tiny `mode` model on the fused path against
+    the same model in fp64 with the reference op."""
+    model = block_model("fused", mode=mode)
+    reference = block_model("reference", mode=mode)
+    reference.load_state_dict(model.state_dict())
+    reference.double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    loss, grads = loss_and_grads(model, ids, checkpointing)
+    expected_loss, expected = loss_and_grads(reference, ids, checkpointing)
+    assert abs(loss.item() - expected_loss.item()) < 1e-5
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
+        assert rel_rms(grad, expected[name]) < 1e-4, name
+
+
+def begun_sizes(monkeypatch) -> list[int]:
+    """The reads each `fused_begin_group` call begins, in call order."""
+    sizes = []
+    begin = reads.fused_begin_group
+    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: sizes.append(len(reads)) or
+                        begin(sources, reads, *a))
+    return sizes
+
+
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "checkpointed-reentrant",
                                                                      "checkpointed-non-reentrant"])
 def test_block_model_matches_the_fp64_reference_model(monkeypatch, checkpointing):
     """The loss and every parameter's gradient of a block-mode model on the fused path (each
     block's reads begun together) against the same model in fp64 with the reference op, with
     and without activation checkpointing."""
-    begun = []
-    begin = reads.fused_begin_group
-    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: begun.append(len(reads)) or
-                        begin(sources, reads, *a))
-    model = block_model("fused")
-    reference = block_model("reference")
-    reference.load_state_dict(model.state_dict())
-    reference.double()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    loss, grads = loss_and_grads(model, ids, checkpointing)
-    expected_loss, expected = loss_and_grads(reference, ids, checkpointing)
+    begun = begun_sizes(monkeypatch)
+    assert_matches_fp64_reference("block", checkpointing)
     # layer 0 begins its MLP read and layers 1-2's reads; layer 3 its own two and layer 4's
     assert begun[:2] == [5, 4] and len(begun) == (2 if checkpointing is None else 4)
-    assert abs(loss.item() - expected_loss.item()) < 1e-5
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
-        assert rel_rms(grad, expected[name]) < 1e-4, name
 
 
 def test_block_model_with_whole_reads_matches_the_fp64_reference_model(monkeypatch, configured, spies):
@@ -308,20 +320,10 @@ def test_block_model_with_whole_reads_matches_the_fp64_reference_model(monkeypat
     reference model's."""
     begun = begun_sizes(monkeypatch)
     configured(block_two_phase=False)
-    model = block_model("fused")
-    reference = block_model("reference")
-    reference.load_state_dict(model.state_dict())
-    reference.double()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    loss, grads = loss_and_grads(model, ids)
-    expected_loss, expected = loss_and_grads(reference, ids)
+    assert_matches_fp64_reference("block")
     forward, _, _ = spies
     assert begun == [] and forward.count("HAS_INIT") == forward.count("GROUPED") == 0
     assert forward.launches == 10  # layer 0's MLP read, both reads of layers 1-4, the final read
-    assert abs(loss.item() - expected_loss.item()) < 1e-5
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
-        assert rel_rms(grad, expected[name]) < 1e-4, name
 
 
 def test_block_model_backward_is_bitwise_identical():
@@ -376,15 +378,6 @@ def test_fsdp2_sharded_model_matches_unsharded(tmp_path, monkeypatch, configured
 
 # full mode's groups of layers -------------------------------------------------------------------
 
-def begun_sizes(monkeypatch) -> list[int]:
-    """The reads each `fused_begin_group` call begins, in call order."""
-    sizes = []
-    begin = reads.fused_begin_group
-    monkeypatch.setattr(fused_ops, "fused_begin_group", lambda sources, reads, *a: sizes.append(len(reads)) or
-                        begin(sources, reads, *a))
-    return sizes
-
-
 # (layers per group, the reads each group of a 5-layer model begins, the ends that fold in newer
 # sources: every begun read but a group's first attention read, which takes the sources alone, the
 # split pairs left: a group of one layer, the last of 5 in groups of 2, and activation
@@ -408,13 +401,7 @@ def test_full_model_groups_match_the_fp64_reference_model(monkeypatch, configure
     starts from its state, and a group of one layer left a split pair."""
     configured(full_group_layers=group)
     begun = begun_sizes(monkeypatch)
-    model = block_model("fused", mode="full")
-    reference = block_model("reference", mode="full")
-    reference.load_state_dict(model.state_dict())
-    reference.double()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    loss, grads = loss_and_grads(model, ids, checkpointing)
-    expected_loss, expected = loss_and_grads(reference, ids, checkpointing)
+    assert_matches_fp64_reference("full", checkpointing)
     # under checkpointing each group's first layer runs again in the backward, the last group's first
     assert begun == sizes + ([] if checkpointing is None else sizes[::-1])
     forward, site, _ = spies
@@ -424,10 +411,6 @@ def test_full_model_groups_match_the_fp64_reference_model(monkeypatch, configure
     assert (forward.count("HAS_INIT"), forward.count("HAS_SECOND")) == ((ends + pairs) * runs, pairs * runs)
     assert forward.launches == (len(sizes) + ends + 2 * pairs) * runs + 1  # the final read runs whole
     assert site.count("HAS_SECOND") == pairs
-    assert abs(loss.item() - expected_loss.item()) < 1e-5
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), f"{name}: unwritten (NaN) gradient elements"
-        assert rel_rms(grad, expected[name]) < 1e-4, name
 
 
 def test_full_model_in_groups_of_one_layer_runs_the_split_pairs(configured, spies):
