@@ -15,6 +15,7 @@ from test_convert import save_source
 from transformers import AutoModelForCausalLM
 
 from mhar_hf.convert import convert_checkpoint
+from mhar_hf.ops.routing import launch
 
 GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -94,16 +95,24 @@ def assert_same_module_outputs(models, run):
     assert difference is None, difference
 
 
-def test_every_shared_module_is_bit_equal_in_a_batched_prefill(models, monkeypatch):
-    monkeypatch.setenv("MHAR_ROUTING", "fused")  # on CPU too, through the interpreter
+@pytest.fixture(params=["own", "H100"] if not GPU else ["own"])
+def fused(request, monkeypatch):
+    """The fused path (on CPU too, through the interpreter), its launches sized for the machine's
+    own multiprocessors or, on a CPU, as for an H100's 132: the grids and the token blocks each
+    program loops over are then a GPU's."""
+    monkeypatch.setenv("MHAR_ROUTING", "fused")
+    if request.param == "H100":
+        monkeypatch.setattr(launch, "multiprocessors", lambda device: 132)
+
+
+def test_every_shared_module_is_bit_equal_in_a_batched_prefill(models, fused):
     ids = prompts(models[0].config.vocab_size)
     assert_same_module_outputs(models, lambda model: model(input_ids=ids, attention_mask=torch.ones_like(ids)))
 
 
-def test_batched_greedy_decoding_is_bit_equal_at_every_step(models, monkeypatch):
+def test_batched_greedy_decoding_is_bit_equal_at_every_step(models, fused):
     """Every decoding step's module outputs, and so the tokens: a difference that greedy choice
     hides for a few steps still names its module and step."""
-    monkeypatch.setenv("MHAR_ROUTING", "fused")
     ids = prompts(models[0].config.vocab_size)
     settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                     pad_token_id=0)
