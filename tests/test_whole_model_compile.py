@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mhar_hf import MHARForCausalLM, routing
-from mhar_hf.ops.routing import kernels, launch, launch_config, outputs, traced
+from mhar_hf.ops.routing import fused_route, fused_route_group, kernels, launch, launch_config, outputs, traced
 from mhar_hf.routing import Read, route_reference
 from mhar_hf.tiny import tiny_config
 
@@ -305,6 +305,31 @@ def test_traced_group_and_every_gradient_match_fp64_reference(count=3, shape=(1,
         assert rel_rms(got, want) < 1e-5
 
 
+def test_traced_reads_without_gradient_take_no_rstd_and_match_the_eager_kernels(monkeypatch, count=5,
+                                                                                 shape=(2, 9, 64), heads=4):
+    """Without autograd (compiled decoding) a traced read's kernel sums its sources' rstd itself, as
+    an eager read's does, so the graph computes none for it (nothing there shares one between
+    reads): same outputs, bit for bit, as the eager kernels."""
+    g = torch.Generator().manual_seed(4)
+    sources = [t.detach() for t in tensors(count, shape, g)]
+    params = [[t.detach() for t in vectors(shape[-1], g)] for _ in range(3)]
+    computed = []
+    monkeypatch.setattr(traced, "source_rstd", lambda source, eps: computed.append(source) or torch.ones(1))
+    with torch.no_grad():
+        read = traced.traced_route(sources, *params[0][:2], heads, EPS)
+        group = traced.traced_route_group(sources, [Read(*p) for p in params], heads, EPS)
+        eager_read = fused_route(sources, *params[0][:2], heads, EPS)
+        eager_group = fused_route_group(sources, [Read(*p) for p in params], heads, EPS)
+    assert computed == []
+    assert torch.equal(read, eager_read)
+    for got, want in zip(group, eager_group, strict=True):
+        assert torch.equal(got, want)
+    wide = [s.double() for s in sources]
+    assert rel_rms(read, route_reference(wide, *[t.double() for t in params[0][:2]], heads, EPS)) < 1e-5
+    assert rel_rms(group[2], route_reference(wide, *[t.double() for t in params[2][:2]], heads, EPS,
+                                             *[t.double() for t in params[2][2:]])) < 1e-5
+
+
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementations, autograd registration, and AOT dispatch with dynamic
     shapes, as torch.library checks them."""
@@ -319,3 +344,7 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.mhar.route_read.default, args)
     params = [*vectors(shape[-1], g), *vectors(shape[-1], g)]
     torch.library.opcheck(torch.ops.mhar.route_group.default, (sources, rstd, params, True, True, 4, EPS))
+    # no rstd: what a graph without autograd calls (the kernel sums it), with no input needing a gradient
+    free = [[t.detach() for t in tensors] for tensors in (sources, params, [query, norm_weight])]
+    torch.library.opcheck(torch.ops.mhar.route_group.default, (free[0], [], free[1], True, True, 4, EPS))
+    torch.library.opcheck(torch.ops.mhar.route_read.default, (free[0], [], *free[2], None, None, None, 4, EPS))

@@ -11,7 +11,10 @@ another:
   - the forward (`mhar::route_read`, `mhar::route_group`) launches the forward kernel (grouped
     reads: one launch for the group), with every source's rstd loaded from an input: the caller
     computes each rstd in the graph (`source_rstd`), where the compiler fuses it into the code
-    that makes the source and shares it between the reads of that source;
+    that makes the source and shares it between the reads of that source. In a graph that keeps no gradient (compiled
+    decoding) the ops take no rstd and the kernel sums it itself, as the eager path's reads
+    without gradient do: there nothing shares the graph's rstd between reads, so each read's would
+    be kernels of their own, one per source, in a step of a few tokens;
   - the backward (`mhar::route_read_backward`, `mhar::route_group_backward`) launches the site
     kernel and then, per source, the source kernel with this read's record (a group's: every
     read of the group, summed in fp32 in one launch). The source gradients it returns are
@@ -48,6 +51,22 @@ def _rows(rstd: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return tables.aligned([r.float() for r in rstd])
 
 
+def _rstd_inputs(sources: Sequence[torch.Tensor], eps: float) -> list[torch.Tensor]:
+    """The sources' rstd for a traced op: computed in the graph where a backward will load it,
+    else none (`_sources_table`)."""
+    return [source_rstd(s, eps) for s in sources] if torch.is_grad_enabled() else []
+
+
+def _sources_table(sources, rstd):
+    """The sources and their table, with the rstd given, or none: the forward kernel then sums
+    each itself and stores no statistics (no backward will run), and the op's lse is empty."""
+    return tables.with_table(sources, _rows(rstd) if rstd else None)
+
+
+def _empty_lse(first: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return first.new_empty(shape, dtype=torch.float32)
+
+
 def _tokens(first: torch.Tensor):
     return first.numel() // first.shape[-1]
 
@@ -64,18 +83,18 @@ def _lse_stride(tokens, num_heads: int):
                                 "Tensor? null_source, Tensor? gate, Tensor? residual, int num_heads, float eps) "
                                 "-> (Tensor, Tensor)")
 def _route_read(sources, rstd, query, key_norm_weight, null_source, gate, residual, num_heads, eps):
-    sources, table = tables.with_table(sources, _rows(rstd))
+    sources, table = _sources_table(sources, rstd)
     residual = residual.contiguous() if residual is not None else None
     out, lse, _ = reads.read_forward(sources, table, query, key_norm_weight, null_source, gate, residual, num_heads,
-                                     eps, store_stats=True, kept=len(sources))
-    return out, lse
+                                     eps, store_stats=bool(rstd), kept=len(rstd))
+    return out, lse if rstd else _empty_lse(sources[0], (0, num_heads))
 
 
 @_route_read.register_fake
 def _(sources, rstd, query, key_norm_weight, null_source, gate, residual, num_heads, eps):
     first = sources[0]
     out = first.new_empty(first.shape, dtype=outputs.output_dtype(first, null_source, gate, residual))
-    return out, first.new_empty((_tokens(first), num_heads), dtype=torch.float32)
+    return out, _empty_lse(first, (_tokens(first) if rstd else 0, num_heads))
 
 
 @torch.library.custom_op("mhar::route_read_backward", mutates_args=(),
@@ -140,9 +159,12 @@ _route_read.register_autograd(_read_backward, setup_context=_read_setup)
                                 "int num_heads, float eps) -> Tensor[]")
 def _route_group(sources, rstd, params, has_null, has_gate, num_heads, eps):
     """Every read's output, then the group's lse as one [reads, stride] block (per_read's base)."""
-    sources, table = tables.with_table(sources, _rows(rstd))
+    sources, table = _sources_table(sources, rstd)
     group_reads = group._unflatten(params, (has_null, has_gate))
-    outs, lse = group.forward_group(sources, table, group_reads, num_heads, eps, store_stats=True, kept=len(sources))
+    outs, lse = group.forward_group(sources, table, group_reads, num_heads, eps, store_stats=bool(rstd),
+                                    kept=len(rstd))
+    if not rstd:
+        return [*outs, _empty_lse(sources[0], (len(group_reads), 0))]
     # the whole block the reads' lse are rows of (inside a custom op a view has no `_base`)
     block = torch.as_strided(lse, (len(group_reads), _lse_stride(_tokens(sources[0]), num_heads)), (lse.stride(0), 1))
     return [*outs, block]
@@ -155,7 +177,7 @@ def _(sources, rstd, params, has_null, has_gate, num_heads, eps):
     head = group_reads[0]
     dtype = outputs.output_dtype(first, head.null_source, head.gate)
     outs = [first.new_empty(first.shape, dtype=dtype) for _ in group_reads]
-    return [*outs, first.new_empty((len(group_reads), _lse_stride(_tokens(first), num_heads)), dtype=torch.float32)]
+    return [*outs, _empty_lse(first, (len(group_reads), _lse_stride(_tokens(first), num_heads) if rstd else 0))]
 
 
 @torch.library.custom_op("mhar::route_group_backward", mutates_args=(),
@@ -220,7 +242,7 @@ def traced_route(sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_
         return route_reference(sources, query, key_norm_weight, num_heads, eps, null_source, gate, residual)
     if gate is not None and residual is None:
         return traced_route_group(sources, [Read(query, key_norm_weight, null_source, gate)], num_heads, eps)[0]
-    rstd = [source_rstd(s, eps) for s in sources]
+    rstd = _rstd_inputs(sources, eps)
     out, _ = torch.ops.mhar.route_read(sources, rstd, query, key_norm_weight, null_source, gate, residual, num_heads,
                                        eps)
     return out
@@ -235,5 +257,5 @@ def traced_route_group(sources: Sequence[torch.Tensor], group_reads: Sequence[Re
     if len(sources) + (group_reads[0].null_source is not None) == 1:  # nothing to mix
         return tuple(route_reference(sources, *read[:2], num_heads, eps, *read[2:]) for read in group_reads)
     layout, params = group._flatten(group_reads)
-    rstd = [source_rstd(s, eps) for s in sources]
+    rstd = _rstd_inputs(sources, eps)
     return tuple(torch.ops.mhar.route_group(sources, rstd, params, *layout, num_heads, eps)[:-1])
