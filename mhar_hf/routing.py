@@ -257,8 +257,9 @@ def _kernels_for(implementation: str, tensor: torch.Tensor):
 
     Traced by torch.compile, the kernels are custom ops in the graph (ops/routing/traced.py), no
     graph break. `auto` still leaves them out while it traces a read without autograd (compiled
-    decoding, e.g. `generate` with a static cache): there the reference op is fused with the rest
-    of the step and captured in its CUDA graph, which a few tokens a step favour. `fused` keeps them."""
+    decoding, e.g. `generate` with a static cache), where the reference op is fused with the rest of
+    the step; `fused` keeps them. Which is faster there is not yet timed on a GPU: the reference
+    reads generate many more kernels (BENCHMARKS.md, kernels of a compiled decoding step)."""
     choice = resolve_implementation(implementation)
     if choice == "auto" and torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return None

@@ -11,10 +11,10 @@ another:
   - the forward (`mhar::route_read`, `mhar::route_group`) launches the forward kernel (grouped
     reads: one launch for the group), with every source's rstd loaded from an input: the caller
     computes each rstd in the graph (`source_rstd`), where the compiler fuses it into the code
-    that makes the source and shares it between the reads of that source. In a graph that keeps no gradient (compiled
-    decoding) the ops take no rstd and the kernel sums it itself, as the eager path's reads
-    without gradient do: there nothing shares the graph's rstd between reads, so each read's would
-    be kernels of their own, one per source, in a step of a few tokens;
+    that makes the source and shares it between the reads of that source. In a graph that keeps
+    no gradient (compiled decoding) the ops take no rstd and the kernel sums it itself, as the
+    eager path's reads without gradient do: inductor computed the graph's rstd again for every
+    read there, a kernel per read and source, in a step of a few tokens;
   - the backward (`mhar::route_read_backward`, `mhar::route_group_backward`) launches the site
     kernel and then, per source, the source kernel with this read's record (a group's: every
     read of the group, summed in fp32 in one launch). The source gradients it returns are
