@@ -26,14 +26,10 @@ import torch._inductor.metrics as inductor_metrics  # noqa: E402
 
 from mhar_hf import MHARConfig, MHARModel  # noqa: E402
 from mhar_hf.ops.routing import kernels, outputs  # noqa: E402
+from host_overhead import NoLaunch  # noqa: E402
 from results_log import append_result, utc_now  # noqa: E402
 
 ROWS = [("standard", None), ("delta", "reference"), ("delta", "fused"), ("full", "reference"), ("full", "fused")]
-
-
-class NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
 
 
 def step_kernels(preset: str, mode: str, routing: str | None) -> int:

@@ -212,6 +212,24 @@ def test_host_overhead_of_decoding_records_its_workload(tmp_path):
     assert all(r["metrics"]["standard_step_ms"] > 0 and r["metrics"]["sites"] > 0 for r in rows)
 
 
+def test_decode_graph_kernels_counts_fewer_kernels_for_the_fused_reads(tmp_path):
+    """benchmarks/decode_graph_kernels.py runs without a GPU, a row per mode and routing; a step
+    whose reads are the fused ops generates hardly more kernels than the plain step, and fewer than
+    with the reference reads (whose every read's statistics are kernels of their own)."""
+    env = {**os.environ, "MHAR_RESULTS_DIR": str(tmp_path), "MHAR_COMMIT": "0123abc"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    done = subprocess.run([sys.executable, "benchmarks/decode_graph_kernels.py", "--preset", "100M"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = results_log.read_results("decode_graph_kernels", tmp_path)
+    assert [schema_errors(r, "decode_graph_kernels") for r in rows] == [[]] * 5
+    over = {(r["config"]["mode"], r["config"]["routing"]): r["metrics"]["over_standard"] for r in rows}
+    assert over[("standard", None)] == 0
+    for mode in ("delta", "full"):
+        layers = 12  # the 100M preset's
+        assert 0 <= over[(mode, "fused")] < layers < over[(mode, "reference")]
+
+
 def test_bench_train_records_each_measured_configuration(tmp_path):
     """bench_train.record: a row per timed training configuration (an out-of-memory one flagged, a
     skipped one left out) and one per variant's kernels, each with the run's date, GPU and commit."""
