@@ -421,7 +421,7 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         # a group's first layer: on the fused path, the group's reads begin over the sources so far
         # (two-phase reads, as a block's in block mode); a group of one layer runs as a split pair
         ahead = tuple((layer, name) for layer in self.later_layers[:group - 1] for name in ("attn_router", "mlp_router"))
-        if self.layer_idx % group == 0 and ahead and _whole_here(ahead):
+        if self.layer_idx % group == 0 and ahead and self._hands_reads_on(ahead):
             routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
             routers += [getattr(layer, name) for layer, name in ahead]
             pending = _begin_reads(sources, routers, self.routing_implementation)
@@ -448,7 +448,7 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         if self.starts_block:  # the running sum joins the blocks, which every read of this block takes
             blocks, pending = (*blocks, partial), ()
             # on the fused path, the block's reads begin over them now (unless the launch config says whole reads)
-            if _whole_here(self.reads_ahead) and launch_setting("block_two_phase", False):
+            if self._hands_reads_on(self.reads_ahead) and launch_setting("block_two_phase", False):
                 routers = [r for r in (self.attn_router, self.mlp_router) if r is not None]
                 routers += [getattr(layer, name) for layer, name in self.reads_ahead]
                 pending = _begin_reads(blocks, routers, self.routing_implementation)
@@ -464,6 +464,17 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         running_after_mlp = self.mlp_sublayer(mlp_input, residual=running)
         return hidden, BlockState(blocks, self.depth_source(running_after_mlp, after=running), pending)
 
+    def _hands_reads_on(self, reads_ahead) -> bool:
+        """Whether this layer makes (or begins) the reads of the later sites `reads_ahead` and hands
+        them on in the residual state. Not under activation checkpointing: every later layer's
+        checkpoint keeps the state it was handed until the backward, so each such read (a tensor the
+        size of the stream) would stay alive through the forward; each site then reads in its own
+        layer, recomputed with it (whether gradients are on is left out: reentrant checkpointing runs
+        the first forward without them). And only where FSDP2 lets it gather those routers (`_whole_here`)."""
+        if self.gradient_checkpointing and self.training:
+            return False
+        return _whole_here(reads_ahead)
+
     @staticmethod
     def _begun_read(router, sources, begun: int, pending):
         """A read and the pending states left: it ends the first pending state (begun over the
@@ -477,7 +488,7 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         read = None
         if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
             read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
-        if self.starts_block and self.reads_ahead and _whole_here(self.reads_ahead):
+        if self.starts_block and self.reads_ahead and self._hands_reads_on(self.reads_ahead):
             ahead = self.mlp_router.read_group(blocks, [getattr(layer, name) for layer, name in self.reads_ahead])
         stream = attend(state.stream, residual=state.stream, read=read)
         read, ahead = self._delta_read(self.mlp_router, blocks, ahead)

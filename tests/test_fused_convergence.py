@@ -86,6 +86,9 @@ def randomised(model):
 
 @pytest.mark.parametrize("mode", ["full", "delta"])
 def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
+    """Recomputation reproduces the kernels bit for bit. Delta mode's reads of a block span, one
+    grouped launch without checkpointing, run one per layer under it (what a layer hands on stays
+    alive until the backward): there a source's gradient is summed in another order."""
     model = randomised(tiny_model(mode, "fused")).train()
     tokens = next(batches(1))
     plain = fused_gradients(model, tokens)
@@ -93,7 +96,10 @@ def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
     checkpointed = fused_gradients(model, tokens)
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
-        assert torch.equal(checkpointed[name], grad), name  # recomputation reproduces the kernels bit for bit
+        if mode == "delta":
+            assert rel_rms(checkpointed[name], grad) < 1e-5, name
+        else:
+            assert torch.equal(checkpointed[name], grad), name
 
 
 @pytest.mark.parametrize("mode", ["full", "block", "delta"])

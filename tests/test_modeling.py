@@ -378,6 +378,30 @@ def test_activation_checkpointing_gives_the_same_gradients(mode, reentrant):
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["full", "block", "delta"])
+def test_checkpointed_layers_receive_no_reads_made_ahead(mode):
+    """Under activation checkpointing a layer keeps the tensors it receives until the backward.
+    Reads made ahead for later layers (delta mode's grouped reads of a block span, block and full
+    mode's two-phase states) would all stay alive through the forward, a stream-sized tensor per
+    site: so checkpointed layers receive only the residual state, each layer's new stream or
+    running sum plus the mode's history, which the last layer returns whole."""
+    from mhar_hf.ops.routing import launch
+
+    torch.manual_seed(0)
+    config = tiny_config(residual_mode=mode, num_hidden_layers=8, residual_num_blocks=2, routing_implementation="fused")
+    model = MHARForCausalLM(config).train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    received, returned = set(), set()
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: received.update(t.untyped_storage().data_ptr() for t in args))
+    model.model.layers[-1].register_forward_hook(
+        lambda module, args, out: returned.update(t.untyped_storage().data_ptr() for t in out[1:]))
+    batch = torch.randint(2, 384, (1, 16))
+    with launch.launch_config(block_two_phase=True, full_group_layers=4):  # every mode makes reads ahead
+        model(batch, labels=batch).loss.backward()
+    assert len(received) <= config.num_hidden_layers + len(returned), (len(received), len(returned))
+
+
 def test_standard_hidden_states_equal_llama():
     model = build("standard")
     tokens = ids()
