@@ -200,13 +200,14 @@ def shard(model, world: int, rank: int, store, **options) -> None:
 
 @pytest.mark.parametrize("variant, sizes_seen", [
     ("sharded", [4, 1]),
-    ("checkpointed", [4, 1, 1, 4]),  # the backward recomputes each group, gathering again
+    ("checkpointed", [1] * 10),  # checkpointed layers read for themselves, in the forward and its recomputation
     ("layer-1-unsharded-early", [1] * 5),
 ])
 def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
     """Sharded, a layer holds only shards of the later layers' routers: a block's first layer
     gathers them and computes the block's reads together, as unsharded, with the same gradients
-    (also under activation checkpointing, the training recipe's setting). A layer unsharded early
+    (under activation checkpointing, the training recipe's setting, every layer reads for itself,
+    with the same gradients too). A layer unsharded early
     (as by prefetching) frees its whole parameters after its forward, before the group's backward
     would need them: then its routers read in its own forward."""
     if DEVICE != "cpu":
