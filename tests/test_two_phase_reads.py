@@ -307,11 +307,12 @@ def begun_sizes(monkeypatch) -> list[int]:
 def test_block_model_matches_the_fp64_reference_model(monkeypatch, checkpointing):
     """The loss and every parameter's gradient of a block-mode model on the fused path (each
     block's reads begun together) against the same model in fp64 with the reference op, with
-    and without activation checkpointing."""
+    and without activation checkpointing (where every read runs whole: a checkpoint would keep
+    each state a layer hands on until the backward)."""
     begun = begun_sizes(monkeypatch)
     assert_matches_fp64_reference("block", checkpointing)
     # layer 0 begins its MLP read and layers 1-2's reads; layer 3 its own two and layer 4's
-    assert begun[:2] == [5, 4] and len(begun) == (2 if checkpointing is None else 4)
+    assert begun == ([5, 4] if checkpointing is None else [])
 
 
 def test_block_model_with_whole_reads_matches_the_fp64_reference_model(monkeypatch, configured, spies):
@@ -351,9 +352,10 @@ SHARDED_SIZES = {"block": [3, 2], "full": [3]}
 def test_fsdp2_sharded_model_matches_unsharded(tmp_path, monkeypatch, configured, mode, variant):
     """FSDP2 (as tests/test_fused_convergence.py shards delta mode): a group's first layer (a
     block's; in full mode, groups of 2 layers) gathers the later layers' routers and begins the
-    group's reads together, with the same gradients as unsharded (also under activation
-    checkpointing); a layer unsharded early (as by prefetching) frees its whole parameters before
-    the group's backward: then its group's reads run whole (full mode: as split pairs)."""
+    group's reads together, with the same gradients as unsharded (under activation checkpointing
+    no group begins, with the same gradients too); a layer unsharded early (as by prefetching)
+    frees its whole parameters before the group's backward: then its group's reads run whole
+    (full mode: as split pairs)."""
     import copy
 
     from test_fused_convergence import assert_sharded_gradients_match, batches, fused_gradients, randomised, tiny_model
@@ -370,9 +372,8 @@ def test_fsdp2_sharded_model_matches_unsharded(tmp_path, monkeypatch, configured
     tokens = next(batches(1))
     expected = fused_gradients(twin, tokens)
     assert sizes == SHARDED_SIZES[mode]
-    # the backward recomputes each group's first layer, gathering again; layer 1 unsharded early
-    # leaves layer 0's group to read whole
-    sizes_seen = {"sharded": sizes, "checkpointed": sizes + sizes[::-1], "layer-1-unsharded-early": sizes[1:]}[variant]
+    # checkpointed layers read whole; layer 1 unsharded early leaves layer 0's group to read whole
+    sizes_seen = {"sharded": sizes, "checkpointed": [], "layer-1-unsharded-early": sizes[1:]}[variant]
     assert_sharded_gradients_match(model, tokens, expected, sizes, list(sizes_seen), variant, tmp_path / "store")
 
 
@@ -380,37 +381,49 @@ def test_fsdp2_sharded_model_matches_unsharded(tmp_path, monkeypatch, configured
 
 # (layers per group, the reads each group of a 5-layer model begins, the ends that fold in newer
 # sources: every begun read but a group's first attention read, which takes the sources alone, the
-# split pairs left: a group of one layer, the last of 5 in groups of 2, and activation
-# checkpointing: reentrant or not, or None; with groups of 2 only, to keep the suite fast)
+# split pairs left: a group of one layer, the last of 5 in groups of 2)
 FULL_GROUPS = [
-    pytest.param(2, [3, 4], 6, 1, None, id="G=2-not-dividing-5-layers"),
-    pytest.param(2, [3, 4], 6, 1, True, id="G=2-checkpointed-reentrant"),
-    pytest.param(2, [3, 4], 6, 1, False, id="G=2-checkpointed-non-reentrant"),
-    pytest.param(3, [5, 4], 8, 0, None, id="G=3"),
-    pytest.param(7, [9], 9, 0, None, id="G=7-more-than-the-layers"),
+    pytest.param(2, [3, 4], 6, 1, id="G=2-not-dividing-5-layers"),
+    pytest.param(3, [5, 4], 8, 0, id="G=3"),
+    pytest.param(7, [9], 9, 0, id="G=7-more-than-the-layers"),
 ]
 
 
-@pytest.mark.parametrize("group, sizes, ends, pairs, checkpointing", FULL_GROUPS)
-def test_full_model_groups_match_the_fp64_reference_model(monkeypatch, configured, spies, group, sizes, ends, pairs,
-                                                          checkpointing):
+@pytest.mark.parametrize("group, sizes, ends, pairs", FULL_GROUPS)
+def test_full_model_groups_match_the_fp64_reference_model(monkeypatch, configured, spies, group, sizes, ends, pairs):
     """Full mode with groups of `group` layers (`LaunchConfig.full_group_layers`): the loss and every
-    parameter's gradient against the same model in fp64 with the reference op, with and without
-    activation checkpointing; each group's reads begun in one grouped launch each way (its lse
-    gradients in that site pass), every other read with newer sources ended by a launch that
-    starts from its state, and a group of one layer left a split pair."""
+    parameter's gradient against the same model in fp64 with the reference op; each group's reads
+    begun in one grouped launch each way (its lse gradients in that site pass), every other read
+    with newer sources ended by a launch that starts from its state, and a group of one layer left
+    a split pair."""
     configured(full_group_layers=group)
     begun = begun_sizes(monkeypatch)
-    assert_matches_fp64_reference("full", checkpointing)
-    # under checkpointing each group's first layer runs again in the backward, the last group's first
-    assert begun == sizes + ([] if checkpointing is None else sizes[::-1])
+    assert_matches_fp64_reference("full")
+    assert begun == sizes
     forward, site, _ = spies
-    runs = 1 if checkpointing is None else 2
     assert (forward.count("GROUPED"), site.count("GROUPED"), site.count("HAS_LSE_GRAD")) == \
-        (len(sizes) * runs, len(sizes), len(sizes))
-    assert (forward.count("HAS_INIT"), forward.count("HAS_SECOND")) == ((ends + pairs) * runs, pairs * runs)
-    assert forward.launches == (len(sizes) + ends + 2 * pairs) * runs + 1  # the final read runs whole
+        (len(sizes), len(sizes), len(sizes))
+    assert (forward.count("HAS_INIT"), forward.count("HAS_SECOND")) == (ends + pairs, pairs)
+    assert forward.launches == len(sizes) + ends + 2 * pairs + 1  # the final read runs whole
     assert site.count("HAS_SECOND") == pairs
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_full_model_groups_run_as_split_pairs(monkeypatch, configured, spies, reentrant):
+    """Under activation checkpointing a group's first layer begins no reads (a checkpoint would
+    keep every state it hands on until the backward): the model in groups of 2 layers launches
+    exactly what the split pairs' path (groups of one) launches, and its loss and every gradient
+    match the fp64 reference model."""
+    forward, site, _ = spies
+    ids = torch.randint(0, 384, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    loss_and_grads(block_model("fused", mode="full"), ids, reentrant)
+    pairs = list(forward.flags), list(site.flags)
+    forward.flags.clear(), site.flags.clear()
+    configured(full_group_layers=2)
+    begun = begun_sizes(monkeypatch)
+    loss_and_grads(block_model("fused", mode="full"), ids, reentrant)
+    assert begun == [] and (list(forward.flags), list(site.flags)) == pairs
+    assert_matches_fp64_reference("full", reentrant)
 
 
 def test_full_model_in_groups_of_one_layer_runs_the_split_pairs(configured, spies):
