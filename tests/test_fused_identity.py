@@ -1,13 +1,16 @@
 """A converted delta model on the fused routing path computes exactly what its source Llama
 computes, in bf16, at a batch of many sequences: every module the two share by name (Llama's
 names are kept) gives bit-equal outputs, in prefill and in greedy decoding. On CPU the kernels run
-under the Triton interpreter at a tiny size; on a GPU (MHAR_TEST_GPU=1) at a size where cuBLAS and
-SDPA choose among several kernels, so a different op, shape or layout on MHAR's side shows.
+under the Triton interpreter at a tiny size; on a GPU (MHAR_TEST_GPU=1) at sizes where cuBLAS and
+SDPA choose among several kernels, so a different op, shape or layout on MHAR's side shows: four
+of Llama-3.1-8B's layers at a quarter of its width, and two at its full width (its GEMM shapes).
 
-A failure names the first module, in the order the source model runs them, whose output differs
-(or, if the source's own outputs change from one run to the next, says so)."""
+A failure names the first module, in the order the source model runs them, whose output differs,
+with the layout of each model's inputs to it (or, if the source's own outputs change from one
+run to the next, says so)."""
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,25 +22,41 @@ from mhar_hf.ops.routing import launch
 
 GPU = os.environ.get("MHAR_TEST_GPU") == "1" and torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-# the GPU size: Llama-3.1-8B's layer at a quarter of its width, four layers, a batch of 32
-SIZES = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, vocab_size=4096) if GPU else {}
+SIZES = {  # on the GPU, Llama-3.1-8B's layers at a batch of 32
+    "quarter-width": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, vocab_size=4096),
+    "full-width": dict(num_hidden_layers=2, vocab_size=4096),
+} if GPU else {"tiny": {}}
 BATCH, PROMPT, NEW = (32, 128, 24) if GPU else (8, 16, 12)
 
 
-def module_outputs(model, run) -> dict[str, list[torch.Tensor]]:
-    """The outputs (their first tensor) of every named module inside a decoder layer and after the
-    last, each call's, while `run(model)` runs (a forward, or every step of a generation). The
-    layers themselves are left out: MHAR's carry its residual state, not Llama's hidden states."""
-    seen: dict[str, list[torch.Tensor]] = {}
+def layout(tensor: torch.Tensor) -> str:
+    """What a kernel's choice can depend on besides the values: shape, strides, dtype, alignment."""
+    return (f"{tuple(tensor.shape)} strides {tensor.stride()} {tensor.dtype} "
+            f"offset {tensor.storage_offset()}, address mod 256 {tensor.data_ptr() % 256}")
+
+
+class Call(NamedTuple):
+    output: torch.Tensor  # the first tensor of the output
+    inputs: str  # the layouts of the tensor arguments
+
+
+def module_outputs(model, run) -> dict[str, list[Call]]:
+    """The outputs (their first tensor) and input layouts of every named module inside a decoder
+    layer and after the last, each call's, while `run(model)` runs (a forward, or every step of a
+    generation). The layers themselves are left out: MHAR's carry its residual state, not Llama's
+    hidden states."""
+    seen: dict[str, list[Call]] = {}
 
     def keep(name):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             first = output[0] if isinstance(output, tuple) else output
             if isinstance(first, torch.Tensor):
-                seen.setdefault(name, []).append(first.detach().clone())
+                tensors = [*args, *kwargs.values()]
+                inputs = "; ".join(layout(t) for t in tensors if isinstance(t, torch.Tensor))
+                seen.setdefault(name, []).append(Call(first.detach().clone(), inputs))
         return hook
 
-    handles = [m.register_forward_hook(keep(name)) for name, m in model.named_modules()
+    handles = [m.register_forward_hook(keep(name), with_kwargs=True) for name, m in model.named_modules()
                if name not in ("", "model") and not type(m).__name__.endswith("DecoderLayer")]
     try:
         with torch.inference_mode():
@@ -59,16 +78,18 @@ def first_difference(source: dict, converted: dict) -> str | None:
             if call >= len(converted[name]):
                 return f"{name}: called {len(converted[name])} times, the source's {len(outputs)}"
             a, b = outputs[call], converted[name][call]
-            if a.shape != b.shape or not torch.equal(a, b):
-                diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
-                return f"{name}, call {call}: max |difference| {diff}"
+            if a.output.shape != b.output.shape or not torch.equal(a.output, b.output):
+                same = a.output.shape == b.output.shape
+                diff = (a.output.float() - b.output.float()).abs().max().item() if same else "shape"
+                return (f"{name}, call {call}: max |difference| {diff}; inputs of the source: {a.inputs}; "
+                        f"of the converted model: {b.inputs}")
     return None
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SIZES))
+def models(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("identity")
-    src = save_source(folder / "src", "Llama-3.1-8B", **SIZES)
+    src = save_source(folder / "src", "Llama-3.1-8B", **SIZES[request.param])
     dst = convert_checkpoint(src, folder / "dst", heads=8 if GPU else 4, num_blocks=2, log=lambda s: None)
     loaded = []
     for path in (src, dst):
