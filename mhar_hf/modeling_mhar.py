@@ -486,7 +486,12 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
     def _forward_delta(self, state: DeltaState, attend):
         blocks, ahead = state.blocks, state.reads_ahead
         read = None
-        if self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
+        if self.attn_router is not None and not (ahead or self.starts_block):
+            # nothing handed on (activation checkpointing): the layer's two reads take the same
+            # blocks, so it makes them together, one pass over the blocks for both
+            pair = self.attn_router.read_group(blocks, [self.mlp_router])
+            read, ahead = pair[0], pair[1:]
+        elif self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
             read, ahead = self._delta_read(self.attn_router, blocks[:-1] if self.starts_block else blocks, ahead)
         if self.starts_block and self.reads_ahead and self._hands_reads_on(self.reads_ahead):
             ahead = self.mlp_router.read_group(blocks, [getattr(layer, name) for layer, name in self.reads_ahead])

@@ -200,8 +200,10 @@ def shard(model, world: int, rank: int, store, **options) -> None:
 
 @pytest.mark.parametrize("variant, sizes_seen", [
     ("sharded", [4, 1]),
-    ("checkpointed", [1] * 10),  # checkpointed layers read for themselves, in the forward and its recomputation
-    ("layer-1-unsharded-early", [1] * 5),
+    # layer 0's MLP read; layer 1's two reads together; layer 2's two reads, of different blocks
+    # checkpointed layers read for themselves, again as the backward recomputes them, last first
+    ("checkpointed", [1, 2, 1, 1] + [1, 1, 2, 1]),
+    ("layer-1-unsharded-early", [1, 2, 1, 1]),
 ])
 def test_fsdp2_sharded_fused_model_matches_unsharded(tmp_path, monkeypatch, variant, sizes_seen):
     """Sharded, a layer holds only shards of the later layers' routers: a block's first layer
