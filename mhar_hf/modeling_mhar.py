@@ -487,8 +487,8 @@ class MHARDecoderLayer(GradientCheckpointingLayer):
         blocks, ahead = state.blocks, state.reads_ahead
         read = None
         if self.attn_router is not None and not (ahead or self.starts_block):
-            # nothing handed on (activation checkpointing): the layer's two reads take the same
-            # blocks, so it makes them together, one pass over the blocks for both
+            # nothing handed on (activation checkpointing, or routers FSDP2 could not gather): the
+            # layer's two reads take the same blocks, so it makes them together, one pass for both
             pair = self.attn_router.read_group(blocks, [self.mlp_router])
             read, ahead = pair[0], pair[1:]
         elif self.attn_router is not None:  # a block's first one reads the blocks before the one just ended
