@@ -87,8 +87,8 @@ def randomised(model):
 @pytest.mark.parametrize("mode", ["full", "delta"])
 def test_activation_checkpointing_keeps_fused_gradients_exact(mode):
     """Recomputation reproduces the kernels bit for bit. Delta mode's reads of a block span, one
-    grouped launch without checkpointing, run one per layer under it (what a layer hands on stays
-    alive until the backward): there a source's gradient is summed in another order."""
+    grouped launch without checkpointing, run in each layer's own launches under it (what a layer
+    hands on stays alive until the backward): there a source's gradient is summed in another order."""
     model = randomised(tiny_model(mode, "fused")).train()
     tokens = next(batches(1))
     plain = fused_gradients(model, tokens)

@@ -14,6 +14,7 @@ from transformers.masking_utils import create_causal_mask
 import mhar_hf
 from mhar_hf import MHARConfig, MHARForCausalLM, MHARRouter
 from mhar_hf.modeling_mhar import RESIDUAL_STATES
+from mhar_hf.ops.routing import launch
 from mhar_hf.routing import route_reference
 from mhar_hf.tiny import tiny_config
 
@@ -385,8 +386,6 @@ def test_checkpointed_layers_receive_no_reads_made_ahead(mode):
     mode's two-phase states) would all stay alive through the forward, a stream-sized tensor per
     site: so checkpointed layers receive only the residual state, each layer's new stream or
     running sum plus the mode's history, which the last layer returns whole."""
-    from mhar_hf.ops.routing import launch
-
     torch.manual_seed(0)
     config = tiny_config(residual_mode=mode, num_hidden_layers=8, residual_num_blocks=2, routing_implementation="fused")
     model = MHARForCausalLM(config).train()
